@@ -1,0 +1,17 @@
+"""raydist: PaddlePaddle's auto-parallel DistModel, run on Ray.
+
+One Ray actor hosts one rank; the driver holds a `DistModel` proxy that
+switches modes, sends batches and gathers results::
+
+    dm = raydist.to_static(build_layer, loss=paddle.nn.MSELoss(),
+                           optimizer=lambda p: paddle.optimizer.SGD(0.1, parameters=p),
+                           num_workers=4)
+    loss = dm(x, y)
+"""
+
+from .errors import GroupShutdownError, RankError, UsageError
+from .model import DistModel, to_static
+
+__version__ = "0.1.0"
+
+__all__ = ["DistModel", "GroupShutdownError", "RankError", "UsageError", "to_static"]

@@ -1,0 +1,67 @@
+"""Fixes for Paddle defects. Imported and applied inside rank processes only.
+
+Each fix names the Paddle defect it answers, was written for
+``PADDLE_VERSION``, and checks that the code it replaces still looks as
+expected (`expect_source`): when Paddle changes under a fix, the rank fails
+with a clear `CompatError` instead of running a stale patch, and a test in
+``tests/test_compat.py`` shows whether the defect itself is still there.
+
+- `rings`: auto-parallel process groups on CPU/gloo (CPU builds only).
+- `collectives`: collectives that pick their gloo ring by id (CPU builds only).
+- `engine`: the static engine's predict and eval-only defects (all devices).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+PADDLE_VERSION = "3.3.1"
+
+# Names of fixes to leave out, comma-separated: for showing a defect in tests.
+DISABLE_ENV = "RAYDIST_COMPAT_DISABLE"
+
+
+class CompatError(RuntimeError):
+    """Paddle changed under one of raydist's fixes."""
+
+
+def expect_source(obj, *markers: str, fix: str) -> None:
+    """Raise `CompatError` unless ``obj``'s source still contains every marker."""
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError) as e:  # pragma: no cover - source always ships in Paddle wheels
+        raise CompatError(f"raydist fix {fix!r}: cannot read the source of {obj!r}: {e}") from e
+    missing = [m for m in markers if m not in source]
+    if missing:
+        import paddle
+
+        raise CompatError(
+            f"raydist fix {fix!r} was written for Paddle {PADDLE_VERSION}; Paddle "
+            f"{paddle.__version__} changed {getattr(obj, '__qualname__', obj)} (no longer contains "
+            f"{missing}). Check whether the defect it answers is fixed and update raydist.compat."
+        )
+
+
+def apply(use_gpu: bool) -> list[str]:
+    """Apply the fixes this process needs; returns their names. Idempotent."""
+    import paddle
+
+    if paddle.__version__ != PADDLE_VERSION:
+        warnings.warn(
+            f"raydist's Paddle fixes were written for Paddle {PADDLE_VERSION}, this is {paddle.__version__}",
+            stacklevel=2,
+        )
+    disabled = {s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()}
+    from . import collectives, engine, rings
+
+    fixes = [("engine", engine.apply)]
+    if not use_gpu:
+        fixes += [("rings", rings.apply), ("collectives", collectives.apply)]
+    applied = []
+    for name, fix in fixes:
+        if name not in disabled:
+            fix()
+            applied.append(name)
+    return applied

@@ -1,0 +1,124 @@
+// Collectives that find their gloo communicator by ring id.
+//
+// Paddle 3.3.1's CPU collective kernels (all_reduce, all_gather, ...) take
+// their communicator from the device context, and on CPU every op shares ONE
+// CPUContext. The PIR executor binds that context to the communicator of the
+// first collective it builds (SetDeviceCommContext sets it only while it is
+// unset), so with two rings per process (dp and mp on a 2-D mesh) every
+// collective runs on the first ring. raydist rewrites the collectives of the
+// programs into these ops, which look the ring up themselves.
+//
+// The ops keep the attribute name "ring_id", so the executor still treats them
+// as communication ops and runs them in program order.
+
+#include <string>
+#include <vector>
+
+#include "paddle/extension.h"
+#include "paddle/phi/core/dense_tensor.h"
+#include "paddle/phi/core/distributed/comm_context_manager.h"
+#include "paddle/phi/core/distributed/gloo_comm_context.h"
+
+namespace {
+
+phi::distributed::GlooCommContext* Ring(int ring_id) {
+  auto& manager = phi::distributed::CommContextManager::GetInstance();
+  const std::string key = std::to_string(ring_id);
+  PD_CHECK(manager.Has(key), "raydist: no gloo communicator for ring ", ring_id);
+  return static_cast<phi::distributed::GlooCommContext*>(manager.Get(key));
+}
+
+phi::DenseTensor* Dense(const paddle::Tensor& t) {
+  return static_cast<phi::DenseTensor*>(t.impl().get());
+}
+
+std::vector<paddle::Tensor> AllReduce(const paddle::Tensor& x, int ring_id, int reduce_type) {
+  auto out = paddle::empty(x.shape(), x.dtype(), x.place());
+  Ring(ring_id)->AllReduce(Dense(out), *Dense(x), reduce_type);
+  return {out};
+}
+
+void AllReduceInplace(paddle::Tensor& x, int ring_id, int reduce_type) {  // NOLINT
+  Ring(ring_id)->AllReduce(Dense(x), *Dense(x), reduce_type);
+}
+
+std::vector<paddle::Tensor> AllGather(const paddle::Tensor& x, int ring_id, int nranks) {
+  auto shape = x.shape();
+  shape[0] *= nranks;
+  auto out = paddle::empty(shape, x.dtype(), x.place());
+  Ring(ring_id)->AllGather(Dense(out), *Dense(x));
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> AllGatherShape(const std::vector<int64_t>& x, int ring_id, int nranks) {
+  auto shape = x;
+  if (!shape.empty() && shape[0] > 0) shape[0] *= nranks;
+  return {shape};
+}
+
+std::vector<paddle::Tensor> Broadcast(const paddle::Tensor& x, int ring_id, int root) {
+  auto out = paddle::empty(x.shape(), x.dtype(), x.place());
+  Ring(ring_id)->Broadcast(Dense(out), *Dense(x), root);
+  return {out};
+}
+
+void BroadcastInplace(paddle::Tensor& x, int ring_id, int root) {  // NOLINT
+  Ring(ring_id)->Broadcast(Dense(x), *Dense(x), root);
+}
+
+// gloo in Paddle has no reduce-scatter: all-reduce, then keep this rank's rows.
+std::vector<paddle::Tensor> ReduceScatter(const paddle::Tensor& x, int ring_id, int nranks) {
+  auto* ring = Ring(ring_id);
+  auto sum = paddle::empty(x.shape(), x.dtype(), x.place());
+  ring->AllReduce(Dense(sum), *Dense(x), /*reduce_type=*/0);
+  const int64_t rows = x.shape()[0] / nranks;
+  return {sum.slice(ring->GetRank() * rows, (ring->GetRank() + 1) * rows).copy_to(x.place(), true)};
+}
+
+std::vector<std::vector<int64_t>> ReduceScatterShape(const std::vector<int64_t>& x, int ring_id, int nranks) {
+  auto shape = x;
+  if (!shape.empty() && shape[0] > 0) shape[0] /= nranks;
+  return {shape};
+}
+
+}  // namespace
+
+PD_BUILD_OP(raydist_all_reduce)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "reduce_type: int"})
+    .SetKernelFn(PD_KERNEL(AllReduce));
+
+PD_BUILD_OP(raydist_all_reduce_)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "reduce_type: int"})
+    .SetInplaceMap({{"X", "Out"}})
+    .SetKernelFn(PD_KERNEL(AllReduceInplace));
+
+PD_BUILD_OP(raydist_all_gather)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "nranks: int"})
+    .SetKernelFn(PD_KERNEL(AllGather))
+    .SetInferShapeFn(PD_INFER_SHAPE(AllGatherShape));
+
+PD_BUILD_OP(raydist_broadcast)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "root: int"})
+    .SetKernelFn(PD_KERNEL(Broadcast));
+
+PD_BUILD_OP(raydist_broadcast_)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "root: int"})
+    .SetInplaceMap({{"X", "Out"}})
+    .SetKernelFn(PD_KERNEL(BroadcastInplace));
+
+PD_BUILD_OP(raydist_reduce_scatter)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "nranks: int"})
+    .SetKernelFn(PD_KERNEL(ReduceScatter))
+    .SetInferShapeFn(PD_INFER_SHAPE(ReduceScatterShape));

@@ -1,0 +1,3 @@
+// See context.h: a declaration is all Paddle's header needs.
+#pragma once
+namespace gloo { namespace rendezvous { class Store; } }

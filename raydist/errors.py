@@ -1,0 +1,42 @@
+"""Errors raydist raises at the driver."""
+
+from __future__ import annotations
+
+
+class RankError(RuntimeError):
+    """A rank failed: it raised, or its process died.
+
+    Attributes:
+        rank: the failing rank (0-based, Paddle's trainer id).
+        cause: the rank's traceback as text, or what Ray knows of the death.
+        died: True when the rank's process is gone (killed, crashed, OOM),
+            False when it raised an exception and was then torn down.
+    """
+
+    def __init__(self, rank: int, cause: str, *, died: bool = False, during: str = ""):
+        self.rank = rank
+        self.cause = cause
+        self.died = died
+        self.during = during
+        what = "process died" if died else "raised"
+        where = f" during {during}" if during else ""
+        super().__init__(f"rank {rank} {what}{where}:\n{cause}")
+
+    def __reduce__(self):
+        return (_rebuild_rank_error, (self.rank, self.cause, self.died, self.during))
+
+
+def _rebuild_rank_error(rank, cause, died, during):
+    return RankError(rank, cause, died=died, during=during)
+
+
+class GroupShutdownError(RuntimeError):
+    """The rank group is gone (shut down, or torn down after a failure)."""
+
+
+class UsageError(ValueError):
+    """A bad argument that only a rank could see (e.g. the layer's mesh).
+
+    Raised inside a rank; the driver re-raises it as itself, not as a
+    `RankError`, since nothing failed but the call.
+    """

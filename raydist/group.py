@@ -1,0 +1,248 @@
+"""The rank group: placement group, one actor per rank, rendezvous, failure, teardown.
+
+Ranks are ordered by node (the driver's node first), then by bundle; on GPU
+the co-located ranks take their node's GPUs in id order (`raydist.env`). A
+rank that raises or dies ends the whole group: every actor is killed (peers
+blocked in a collective included) and the driver gets a `RankError` naming
+the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .env import RankPlace, paddle_env
+from .errors import GroupShutdownError, RankError, UsageError
+from .rank import RankActor
+
+log = logging.getLogger("raydist")
+
+_RemoteRank = ray.remote(RankActor)
+
+
+@dataclasses.dataclass
+class GroupConfig:
+    """How to start the ranks.
+
+    Attributes:
+        num_workers: number of ranks, one Ray actor each.
+        use_gpu: one GPU per rank and NCCL; otherwise CPU and gloo.
+        resources_per_rank: Ray resources of one rank's bundle; default
+            ``{"CPU": 1}``, plus ``{"GPU": 1}`` with ``use_gpu``.
+        placement_strategy: of the placement group (PACK, SPREAD, STRICT_PACK...).
+        master_port: port of Paddle's TCP store on rank 0's node; a free one
+            if None, and another free one if this one is taken.
+        placement_timeout_s: how long to wait for the cluster to place the
+            ranks (autoscaling clusters grow meanwhile); None waits forever.
+        name: prefix of the actor names (``<name>-rank-<i>``).
+        paddle_logs: show Paddle's INFO logs from the ranks (quiet by default).
+    """
+
+    num_workers: int
+    use_gpu: bool = False
+    resources_per_rank: dict[str, float] | None = None
+    placement_strategy: str = "PACK"
+    master_port: int | None = None
+    placement_timeout_s: float | None = 300.0
+    name: str | None = None
+    paddle_logs: bool = False
+
+    def bundle(self) -> dict[str, float]:
+        if self.resources_per_rank is not None:
+            return dict(self.resources_per_rank)
+        return {"CPU": 1.0, "GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+
+
+class RankGroup:
+    """``num_workers`` rank actors that form one Paddle process group."""
+
+    def __init__(self, config: GroupConfig):
+        self.config = config
+        self.actors: list = []
+        self.places: list[RankPlace] = []
+        self.pids: list[int] = []
+        self.fixes: list[str] = []
+        self._pg = None
+        self._alive = False
+        self._start()
+
+    # -- start -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        cfg = self.config
+        port = cfg.master_port
+        for attempt in range(3):
+            try:
+                self._pg = placement_group([cfg.bundle()] * cfg.num_workers, strategy=cfg.placement_strategy)
+                self._wait_placed()
+                self._spawn()
+                self._rendezvous(port)
+                return
+            except RankError as e:
+                # A master port taken between our check and Paddle's bind
+                # aborts rank 0 (a libuv assertion): start over on a new port.
+                if not (e.rank == 0 and e.died and e.during == "setup" and attempt < 2):
+                    raise
+                log.warning("rank 0 died while opening the master port; retrying on another port")
+                port = None
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def _wait_placed(self) -> None:
+        cfg, start = self.config, time.monotonic()
+        while True:
+            try:
+                ray.get(self._pg.ready(), timeout=10)
+                return
+            except ray.exceptions.GetTimeoutError:
+                waited = time.monotonic() - start
+                msg = f"waiting for {cfg.num_workers} x {cfg.bundle()}: {_placeable(cfg.bundle())} placeable"
+                if cfg.placement_timeout_s is not None and waited >= cfg.placement_timeout_s:
+                    raise TimeoutError(
+                        f"could not place the ranks in {waited:.0f} s ({msg}). Give the cluster more "
+                        "resources, or ask less per rank with resources_per_rank."
+                    ) from None
+                log.warning("%s (%.0f s)", msg, waited)
+
+    def _spawn(self) -> None:
+        """Start one actor per rank, ranks ordered by node (the driver's first), then bundle."""
+        cfg = self.config
+        bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+        here = ray.get_runtime_context().get_node_id()
+        order = sorted(range(cfg.num_workers), key=lambda b: (bundle_nodes[b] != here, bundle_nodes[b], b))
+        prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
+        res = cfg.bundle()
+        self.actors = [
+            _RemoteRank.options(
+                name=f"{prefix}-rank-{rank}",
+                num_cpus=res.get("CPU", 0),
+                num_gpus=res.get("GPU", 0),
+                resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=b),
+            ).remote(rank, cfg.num_workers)
+            for rank, b in enumerate(order)
+        ]
+        self._alive = True
+        placed = self.gather([a.place.remote() for a in self.actors], "placement")
+        self.places = [p for p, _ in placed]
+        self.pids = [pid for _, pid in placed]
+
+    def _rendezvous(self, port: int | None) -> None:
+        rank0 = self.actors[0]
+        if port is not None and not self.gather([rank0.port_is_free.remote(port)], "rendezvous", ranks=[0])[0]:
+            log.warning("master port %s is taken on rank 0's node; using a free one", port)
+            port = None
+        if port is None:
+            port = self.gather([rank0.free_port.remote()], "rendezvous", ranks=[0])[0]
+        own_ports = self.gather([a.free_port.remote() for a in self.actors], "rendezvous")
+        endpoints = [f"{p.node_ip}:{q}" for p, q in zip(self.places, own_ports)]
+        master = f"{self.places[0].node_ip}:{port}"
+        envs = [paddle_env(r, self.places, endpoints, master, use_gpu=self.config.use_gpu) for r in range(len(self))]
+        self.fixes = self.gather([a.setup.remote(e, self.config.use_gpu, self.config.paddle_logs) for a, e in zip(self.actors, envs)], "setup")[0]
+
+    # -- calls -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.config.num_workers
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def broadcast(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        """Call ``method`` with the same arguments on every rank (refs in rank order)."""
+        self._check_alive()
+        return [getattr(a, method).remote(*args) for a in self.actors]
+
+    def each(self, method: str, args_per_rank: Sequence[tuple]) -> list[ray.ObjectRef]:
+        """Call ``method`` on every rank with that rank's arguments."""
+        self._check_alive()
+        return [getattr(a, method).remote(*args) for a, args in zip(self.actors, args_per_rank)]
+
+    def run(self, method: str, *args: Any) -> list:
+        """`broadcast` and wait for every rank's result."""
+        return self.gather(self.broadcast(method, *args), method)
+
+    def gather(self, refs: Sequence[ray.ObjectRef], during: str, ranks: Sequence[int] | None = None) -> list:
+        """Results of ``refs`` (one per rank in ``ranks``, default all, in order).
+
+        The first failure tears the group down and raises: `UsageError` as
+        itself, anything else as `RankError`. Never waits on a rank that is
+        blocked because a peer failed.
+        """
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        slot = {ref: i for i, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                i = slot[ref]
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    self.shutdown()
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, UsageError):
+                        raise UsageError(str(cause)) from None
+                    raise RankError(ranks[i], _task_traceback(e), during=during) from None
+                except ray.exceptions.RayActorError as e:
+                    self.shutdown()
+                    raise RankError(ranks[i], _death_cause(e), died=True, during=during) from None
+        return results
+
+    def _check_alive(self) -> None:
+        if not self._alive:
+            raise GroupShutdownError("the rank group is shut down (after shutdown() or a rank failure)")
+
+    # -- teardown --------------------------------------------------------------
+
+    def _kill_actors(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+
+    def shutdown(self) -> None:
+        """Kill every rank and free the placement group. Idempotent."""
+        self._alive = False
+        if not ray.is_initialized():
+            return
+        self._kill_actors()
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # already removed
+                pass
+            self._pg = None
+
+
+def _task_traceback(e: ray.exceptions.RayTaskError) -> str:
+    return getattr(e, "traceback_str", None) or str(e)
+
+
+def _death_cause(e: ray.exceptions.RayActorError) -> str:
+    return str(e).strip() or type(e).__name__
+
+
+def _placeable(bundle: dict[str, float]) -> int:
+    """How many bundles the cluster's nodes could hold in total (ignoring what is in use)."""
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        total += int(min((have.get(k, 0.0) // v if v else float("inf")) for k, v in bundle.items()))
+    return total

@@ -1,0 +1,420 @@
+"""The driver-side ``DistModel``: Paddle's DistModel API, run by a group of Ray ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import ray
+
+from .group import GroupConfig, RankGroup
+from .specs import TensorSpec, from_input_spec, spec_of
+from .topology import Layout, Mesh, data_layout
+
+log = logging.getLogger("raydist")
+
+MODES = ("train", "eval", "predict")
+_PROGRAMS = ("dist_main", "dist_startup", "serial_main", "serial_startup")
+
+
+class DistModel:
+    """Paddle's static auto-parallel ``DistModel``, one Ray actor per rank.
+
+    Takes Paddle's arguments in Paddle's order, except that what would live on
+    the ranks is given as something that makes it there:
+
+    Args:
+        layer: a picklable callable returning the ``paddle.nn.Layer``; it runs
+            on every rank after the process group exists, so it can use
+            ``dist.ProcessMesh`` and ``dist.shard_tensor``.
+        loader: a `raydist.ShardDataloader`, or None (batches come from the driver).
+        loss: a ``paddle.nn.Layer`` or callable ``(outputs..., labels...) -> loss``.
+        optimizer: a callable ``parameters -> paddle.optimizer.Optimizer``
+            (e.g. ``lambda p: paddle.optimizer.AdamW(1e-3, parameters=p)``).
+        strategy: a ``paddle.distributed.Strategy``, passed to every rank.
+        metrics: as in Paddle (Paddle 3.3.1's static engine ignores them).
+        input_spec: as in Paddle, ``[[inputs...], [labels...]]`` of ``InputSpec``
+            or ``DistributedInputSpec`` with GLOBAL shapes; None infers them from
+            the first batch.
+        num_workers: number of ranks; default: the processes of ``input_spec``'s mesh.
+        use_gpu: one GPU per rank and NCCL (otherwise CPU and gloo).
+        shard_dims: the mesh dim along which batches are split across ranks
+            (data parallel). The default "dp" splits along the mesh dim named
+            "dp" if the model's mesh has one, else every rank gets the whole batch.
+        resources_per_rank, placement_strategy, master_port, placement_timeout_s,
+        name, paddle_logs: see `raydist.group.GroupConfig`.
+
+    Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
+    "eval"; neither -> "predict".
+    """
+
+    def __init__(
+        self,
+        layer: Callable[[], Any],
+        loader: Any = None,
+        loss: Any = None,
+        optimizer: Callable[[Sequence[Any]], Any] | None = None,
+        strategy: Any = None,
+        metrics: Sequence[Any] | None = None,
+        input_spec: Sequence[Sequence[Any]] | None = None,
+        *,
+        num_workers: int | None = None,
+        use_gpu: bool = False,
+        shard_dims: str | None = "dp",
+        resources_per_rank: dict[str, float] | None = None,
+        placement_strategy: str = "PACK",
+        master_port: int | None = None,
+        placement_timeout_s: float | None = 300.0,
+        name: str | None = None,
+        paddle_logs: bool = False,
+    ) -> None:
+        _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
+        inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
+        num_workers = _num_workers(num_workers, (inputs or []) + (labels or []))
+        payload = _pickle((layer, loss, optimizer, strategy, list(metrics or [])))
+
+        self._loss, self._optimizer = loss is not None, optimizer is not None
+        self._shard_dims = shard_dims
+        self._inputs: list[TensorSpec] | None = inputs
+        self._labels: list[TensorSpec] | None = labels
+        self._mode = "train" if (self._loss and self._optimizer) else ("eval" if self._loss else "predict")
+        self._rank_mode: str | None = None  # the mode the ranks are in
+        self._plans: dict[str, Any] = {}  # mode -> ModePlan from rank 0
+        self._sent_specs: tuple | None = None  # (inputs, labels) the ranks have
+
+        _init_ray(num_workers, resources_per_rank, use_gpu)
+        self._group = RankGroup(
+            GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
+                        placement_timeout_s, name, paddle_logs)  # fmt: skip
+        )
+        self._finalizer = weakref.finalize(self, self._group.shutdown)
+        reports = self._group.run("build", ray.put(payload))
+        self._mesh = _data_mesh(reports[0]["meshes"], num_workers)
+        self._inputs = self._with_layouts(self._inputs)
+        self._labels = self._with_layouts(self._labels)
+        if self._specs_known(self._mode):
+            self._sync_mode()
+
+    # -- modes -----------------------------------------------------------------
+
+    def train(self) -> None:
+        """Switch every rank to "train": calls update the parameters and return the loss."""
+        if not (self._loss and self._optimizer):
+            raise ValueError("train mode needs both a loss and an optimizer")
+        self._switch("train")
+
+    def eval(self) -> None:
+        """Switch every rank to "eval": calls return the loss, nothing is updated."""
+        if not self._loss:
+            raise ValueError("eval mode needs a loss")
+        self._switch("eval")
+
+    def predict(self) -> None:
+        """Switch every rank to "predict": calls return the model's outputs."""
+        self._switch("predict")
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def _switch(self, mode: str) -> None:
+        self._mode = mode
+        if self._specs_known(mode):
+            self._sync_mode()
+
+    def _specs_known(self, mode: str) -> bool:
+        specs = (self._inputs or []) + ([] if mode == "predict" else (self._labels or []))
+        return self._inputs is not None and (mode == "predict" or self._labels is not None) and all(
+            s.complete for s in specs
+        )
+
+    def _sync_mode(self) -> None:
+        """Build (once) and enter the current mode on every rank; waits, so build errors show here."""
+        specs = (tuple(self._inputs or ()), tuple(self._labels or ()))
+        if specs != self._sent_specs:
+            self._group.run("set_specs", list(specs[0]), list(specs[1]))
+            self._sent_specs = specs
+        if self._rank_mode != self._mode:
+            plans = self._group.run("set_mode", self._mode)
+            self._plans[self._mode] = plans[0]
+            self._rank_mode = self._mode
+
+    def _with_layouts(self, specs: list[TensorSpec] | None) -> list[TensorSpec] | None:
+        """Give specs without a layout the default data layout on the model's mesh."""
+        if specs is None:
+            return None
+        shard_dims = self._shard_dims
+        if shard_dims == "dp" and "dp" not in self._mesh.dim_names:
+            shard_dims = None
+        return [s if s.layout else s.resolved(layout=data_layout(self._mesh, shard_dims, len(s.shape))) for s in specs]
+
+    # -- steps -----------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        """One step on a GLOBAL batch: the loss (train, eval) or the outputs (predict).
+
+        Arguments are numpy arrays or paddle Tensors (or lists of them), inputs
+        then labels, as for Paddle's DistModel; predict takes inputs only.
+        """
+        arrays = _to_arrays(args)
+        specs = self._specs_for(arrays)
+        self._sync_mode()
+        pieces, layouts = [], []
+        for spec, array in zip(specs, arrays):
+            layouts.append(spec.layout)
+            pieces.append({key: ray.put(piece) for key, piece in spec.layout.split(array).items()})
+        plan = self._plans[self._mode]
+        readers = {r for layout in plan.layouts for r in layout.readers()}
+        args_per_rank = [
+            (rank in readers, *[p[_key(layout, rank)] for p, layout in zip(pieces, layouts)])
+            for rank in range(len(self._group))
+        ]
+        results = self._group.gather(self._group.each("step", args_per_rank), "step")
+        values = [
+            layout.assemble({r: results[r][i] for r in layout.readers()}) for i, layout in enumerate(plan.layouts)
+        ]
+        if self._mode == "predict":
+            return values[0] if len(values) == 1 else values
+        return float(np.mean(values[0]))
+
+    def _specs_for(self, arrays: list[np.ndarray]) -> list[TensorSpec]:
+        """The specs these arrays must fit (inferred from them the first time), checked."""
+        mode = self._mode
+        if self._inputs is None:
+            n_inputs = len(arrays) if mode == "predict" else len(arrays) - 1
+            if n_inputs < 1:
+                raise ValueError(f"{mode} takes inputs and labels: got {len(arrays)} array(s)")
+            self._inputs = self._with_layouts([spec_of(a, f"input{i}") for i, a in enumerate(arrays[:n_inputs])])
+        if mode != "predict" and self._labels is None:
+            labels = arrays[len(self._inputs):]
+            self._labels = self._with_layouts([spec_of(a, f"label{i}") for i, a in enumerate(labels)])
+        specs = self._inputs + ([] if mode == "predict" else self._labels)
+        if len(arrays) != len(specs):
+            what = "inputs" if mode == "predict" else "inputs and labels"
+            raise ValueError(
+                f"{mode} takes {len(specs)} {what} ({', '.join(s.name for s in specs)}), got {len(arrays)} array(s)"
+            )
+        for i, (spec, array) in enumerate(zip(specs, arrays)):
+            spec.check(array, "label" if i >= len(self._inputs) else "input")
+            _check_divides(spec, array)
+        if not all(s.complete for s in specs):  # dims the input_spec left open
+            n = len(self._inputs)
+            self._inputs = [s.resolved(a) for s, a in zip(self._inputs, arrays[:n])]
+            if mode != "predict":
+                self._labels = [s.resolved(a) for s, a in zip(self._labels, arrays[n:])]
+            specs = self._inputs + ([] if mode == "predict" else self._labels)
+        return specs
+
+    # -- programs and state ----------------------------------------------------
+
+    def dist_main_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s distributed main program of ``mode`` (default: current)."""
+        return self._program("dist_main", mode, rank)
+
+    def dist_startup_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s distributed startup program of ``mode``."""
+        return self._program("dist_startup", mode, rank)
+
+    def serial_main_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s serial (undistributed) main program of ``mode``."""
+        return self._program("serial_main", mode, rank)
+
+    def serial_startup_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s serial startup program of ``mode``."""
+        return self._program("serial_startup", mode, rank)
+
+    def _program(self, kind: str, mode: str | None, rank: int) -> str:
+        mode = mode or self._mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= rank < len(self._group):
+            raise ValueError(f"rank must be in [0, {len(self._group)}), got {rank}")
+        if mode not in self._plans:
+            if not self._specs_known(mode):
+                raise ValueError(f"the {mode} program is built at the first {mode} step (or pass input_spec)")
+            current = self._mode
+            self._switch(mode)
+            self._switch(current)
+        return self._group.gather([self._group.actors[rank].program.remote(kind, mode)], "program", [rank])[0]
+
+    def state_dict(self, mode: str = "all") -> dict[str, np.ndarray]:
+        """The FULL (unsharded) state as numpy arrays, keyed like Paddle's ``DistModel.state_dict``.
+
+        ``mode``: "param" (the model's parameters), "opt" (the optimizer's
+        state) or "all".
+        """
+        if mode not in ("all", "opt", "param"):
+            raise ValueError(f"mode must be 'all', 'opt' or 'param', got {mode!r}")
+        pieces = self._group.run("state_dict", mode)
+        state = {}
+        for name, (array, layout) in pieces[0].items():
+            if layout is None:
+                state[name] = array
+            else:
+                state[name] = layout.assemble({r: pieces[r][name][0] for r in layout.readers()})
+        return state
+
+    # -- lifetime --------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._group)
+
+    def shutdown(self) -> None:
+        """Stop every rank and free their resources. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "DistModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def to_static(
+    layer: Callable[[], Any],
+    loader: Any = None,
+    loss: Any = None,
+    optimizer: Callable[[Sequence[Any]], Any] | None = None,
+    strategy: Any = None,
+    input_spec: Sequence[Sequence[Any]] | None = None,
+    **kwargs: Any,
+) -> DistModel:
+    """Build a `DistModel` on a group of Ray ranks, as ``paddle.distributed.to_static`` would.
+
+    See `DistModel` for the arguments; keyword arguments (``num_workers``,
+    ``use_gpu``, ...) go to it.
+    """
+    return DistModel(layer, loader, loss, optimizer, strategy, None, input_spec, **kwargs)
+
+
+# -- argument checks (all before any actor starts) ---------------------------------
+
+
+def _check_arguments(layer, loader, loss, optimizer, strategy, metrics) -> None:
+    import paddle
+
+    if isinstance(layer, paddle.nn.Layer):
+        raise TypeError(
+            "raydist builds the layer on every rank: pass a function that returns it "
+            "(e.g. `lambda: MyNet(mesh)`), not a Layer built on the driver"
+        )
+    if not callable(layer):
+        raise TypeError(f"layer must be a callable that returns a paddle.nn.Layer, got {type(layer).__name__}")
+    if loader is not None:
+        raise TypeError("loader must be None (batches are passed to the DistModel call)")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"loss must be a paddle.nn.Layer or a callable, got {type(loss).__name__}")
+    if isinstance(optimizer, paddle.optimizer.Optimizer) or (optimizer is not None and not callable(optimizer)):
+        raise TypeError(
+            "optimizer must be a callable that makes the optimizer on each rank from the rank's "
+            "parameters, e.g. `lambda params: paddle.optimizer.AdamW(1e-3, parameters=params)`; "
+            f"got {type(optimizer).__name__}"
+        )
+    if strategy is not None:
+        if not isinstance(strategy, paddle.distributed.Strategy):
+            raise TypeError(f"strategy must be a paddle.distributed.Strategy, got {type(strategy).__name__}")
+        if not strategy.full_graph:
+            raise ValueError("strategy.full_graph=False asks Paddle for a dygraph model; raydist runs the static DistModel")
+    if metrics is not None and not isinstance(metrics, (list, tuple)):
+        raise TypeError(f"metrics must be a list, got {type(metrics).__name__}")
+
+
+def _num_workers(num_workers: int | None, specs: list[TensorSpec]) -> int:
+    spec_ranks = {i for s in specs if s.layout is not None for i in s.layout.mesh.process_ids}
+    if num_workers is None:
+        if not spec_ranks:
+            raise ValueError("num_workers is required unless input_spec gives the mesh")
+        return max(spec_ranks) + 1
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    if spec_ranks and max(spec_ranks) >= num_workers:
+        raise ValueError(
+            f"input_spec's mesh uses processes up to {max(spec_ranks)}, but num_workers={num_workers}"
+        )
+    return num_workers
+
+
+def _pickle(obj) -> bytes:
+    """Pickle what the ranks need; user code from local modules travels by value."""
+    for item in _walk(obj):
+        module = sys.modules.get(getattr(item, "__module__", None) or "")
+        if module is not None and _is_local(module):
+            cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as e:
+        raise TypeError(f"the layer builder, loss, optimizer or strategy cannot be pickled for the ranks: {e}") from e
+
+
+def _walk(obj):
+    yield obj
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _walk(item)
+    else:
+        yield type(obj)
+
+
+def _is_local(module) -> bool:
+    """A module of the user's own (not installed), which remote workers may not import."""
+    path = getattr(module, "__file__", None)
+    if path is None or module.__name__ == "__main__" or module.__name__.split(".")[0] in ("raydist", "paddle"):
+        return False
+    installed = {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    installed.add(os.path.dirname(os.__file__))
+    return not any(os.path.abspath(path).startswith(os.path.abspath(p) + os.sep) for p in installed)
+
+
+def _init_ray(num_workers: int, resources_per_rank, use_gpu: bool) -> None:
+    if ray.is_initialized():
+        return
+    cpus = (resources_per_rank or {}).get("CPU", 0 if use_gpu else 1)
+    num_cpus = max(os.cpu_count() or 1, int(np.ceil(num_workers * cpus)))
+    log.info("starting a local Ray instance with %d CPUs", num_cpus)
+    ray.init(num_cpus=num_cpus)
+
+
+def _data_mesh(meshes: list[Mesh], num_workers: int) -> Mesh:
+    """The mesh batches are laid on: the layer's largest mesh, or all ranks as "dp"."""
+    if not meshes:
+        return Mesh.of(list(range(num_workers)), ["dp"])
+    return max(meshes, key=lambda m: len(m.process_ids))
+
+
+def _to_arrays(args: Sequence[Any]) -> list[np.ndarray]:
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(_to_arrays(a))
+        elif isinstance(a, np.ndarray):
+            out.append(a)
+        elif hasattr(a, "numpy") and callable(a.numpy):  # paddle.Tensor
+            out.append(np.asarray(a.numpy()))
+        else:
+            raise TypeError(f"DistModel inputs must be numpy arrays or paddle Tensors, got {type(a).__name__}")
+    return out
+
+
+def _check_divides(spec: TensorSpec, array: np.ndarray) -> None:
+    layout = spec.layout
+    for d, m in enumerate(layout.dims_mapping):
+        if m >= 0 and array.shape[d] % layout.mesh.shape[m]:
+            raise ValueError(
+                f"the global batch of {spec.name!r} has {array.shape[d]} rows along dim {d}, which does not "
+                f"divide by the {layout.mesh.shape[m]} ranks of mesh dim {layout.mesh.dim_names[m]!r} "
+                "(the data-parallel degree)"
+            )
+
+
+def _key(layout: Layout, rank: int) -> tuple[int, ...]:
+    """The piece a rank reads; ranks outside the data mesh read the first (and ignore it)."""
+    if rank in layout.mesh:
+        return layout.key(rank)
+    return next(iter(layout.holders()))

@@ -1,0 +1,147 @@
+"""What runs inside one rank's Ray actor.
+
+Paddle is imported in `RankActor.setup`, not at the top: Paddle reads
+``CUDA_VISIBLE_DEVICES`` and its ``FLAGS_*`` when it is imported, and the
+environment a rank needs is known only after every actor has been placed.
+So the driver can import this module (to name the actor class) without
+importing Paddle's rank-side pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import socket
+import warnings
+
+import cloudpickle
+import ray
+
+from .env import RankPlace
+from .errors import UsageError
+
+# Paddle's C++ log level in ranks unless asked for Paddle's logs: warnings
+# and errors only (Paddle's default prints every INFO line).
+QUIET_GLOG_LEVEL = "2"
+# Paddle warnings every rank repeats and no user can act on.
+NOISE = ("Tensor do not have 'place' interface",)
+NOISE_LOGS = ("is not built by `lazy init`",)
+
+
+class RankActor:
+    """One rank: its process group membership and its static DistModel."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+        self.runner = None
+        self.device = "cpu"
+
+    # -- placement and rendezvous -------------------------------------------------
+
+    def place(self) -> tuple[RankPlace, int]:
+        ctx = ray.get_runtime_context()
+        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
+        return RankPlace(ctx.get_node_id(), ray.util.get_node_ip_address(), gpu_ids), os.getpid()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def port_is_free(self, port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+        return True
+
+    def setup(self, env: dict[str, str], use_gpu: bool, paddle_logs: bool = False) -> list[str]:
+        """Join the process group; returns the compatibility fixes applied.
+
+        ``paddle_logs``: keep Paddle's INFO logs (C++ glog and Python); by
+        default a rank shows only warnings and errors.
+        """
+        quiet = contextlib.redirect_stderr(io.StringIO()) if not paddle_logs else contextlib.nullcontext()
+        if not paddle_logs:
+            os.environ.setdefault("GLOG_minloglevel", QUIET_GLOG_LEVEL)
+            logging.disable(logging.INFO)
+            for text in NOISE:
+                warnings.filterwarnings("ignore", message=f".*{text}")
+            logging.getLogger("auto_parallel").addFilter(lambda r: not any(t in r.getMessage() for t in NOISE_LOGS))
+        os.environ.update(env)
+        with quiet, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
+            import paddle
+        import paddle.distributed as dist
+
+        from . import compat
+
+        # Paddle's handler prints a C++ "FatalError" dump when a rank is
+        # killed on shutdown or after a peer's failure; the death is expected.
+        paddle.base.core.disable_signal_handler()
+        fixes = compat.apply(use_gpu)
+        if use_gpu:
+            self.device = f"gpu:{env['FLAGS_selected_gpus']}"
+            paddle.set_device("gpu")
+        else:
+            paddle.set_device("cpu")
+        with quiet:  # init_parallel_env lists every non-default FLAG on stderr
+            dist.init_parallel_env()
+        return fixes
+
+    # -- the model ---------------------------------------------------------------
+
+    def build(self, payload: bytes) -> dict:
+        """Build the layer and the optimizer; report the meshes the layer uses."""
+        import paddle
+
+        from .runner import StaticRunner, mesh_of
+
+        build_layer, loss, optimizer_factory, strategy, metrics = cloudpickle.loads(payload)
+        layer = build_layer()
+        if not isinstance(layer, paddle.nn.Layer):
+            raise UsageError(f"build_layer must return a paddle.nn.Layer, it returned {type(layer).__name__}")
+        meshes = []
+        for p in layer.parameters():
+            if p.is_dist():
+                mesh = mesh_of(p.process_mesh)
+                if mesh not in meshes:
+                    meshes.append(mesh)
+        beyond = sorted({i for m in meshes for i in m.process_ids if i >= self.world_size})
+        if beyond:
+            raise UsageError(
+                f"the model's mesh uses processes {beyond}, but the group has {self.world_size} ranks "
+                f"(num_workers={self.world_size}): raise num_workers to {max(beyond) + 1}"
+            )
+        optimizer = optimizer_factory(layer.parameters()) if optimizer_factory is not None else None
+        if optimizer is not None and not isinstance(optimizer, paddle.optimizer.Optimizer):
+            inner = getattr(optimizer, "_inner_opt", None)  # dist.shard_optimizer's wrapper
+            if not isinstance(inner, paddle.optimizer.Optimizer):
+                raise UsageError(
+                    f"optimizer must return a paddle.optimizer.Optimizer, it returned {type(optimizer).__name__}"
+                )
+        self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
+        return {"meshes": meshes}
+
+    def set_specs(self, inputs, labels) -> None:
+        self.runner.set_specs(inputs, labels)
+
+    def set_mode(self, mode: str):
+        return self.runner.set_mode(mode)
+
+    def step(self, collect: bool, *arrays):
+        return self.runner.step(arrays, collect)
+
+    def program(self, kind: str, mode: str | None) -> str:
+        return self.runner.program(kind, mode)
+
+    def state_dict(self, mode: str):
+        return self.runner.state_dict(mode)
+
+    def status(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "device": self.device,
+                "mode": getattr(self.runner, "mode", None)}  # fmt: skip

@@ -1,0 +1,141 @@
+"""Which rank holds which piece of a tensor: meshes, layouts, split and assemble.
+
+Pure numpy, no Paddle: the driver uses it to cut a global batch into the
+data-parallel shards each rank reads, and to put full tensors back together
+from the local pieces ranks return (losses, predictions, state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """A process mesh: ``process_ids`` laid out row-major in ``shape``."""
+
+    shape: tuple[int, ...]
+    process_ids: tuple[int, ...]
+    dim_names: tuple[str, ...]
+
+    def __post_init__(self):
+        if int(np.prod(self.shape)) != len(self.process_ids):
+            raise ValueError(f"mesh shape {self.shape} does not hold {len(self.process_ids)} processes")
+        if len(self.dim_names) != len(self.shape):
+            raise ValueError(f"mesh dim_names {self.dim_names} do not match shape {self.shape}")
+
+    @classmethod
+    def of(cls, process_ids: Sequence | np.ndarray, dim_names: Sequence[str]) -> "Mesh":
+        arr = np.asarray(process_ids)
+        return cls(tuple(int(s) for s in arr.shape), tuple(int(p) for p in arr.ravel()), tuple(dim_names))
+
+    def coord(self, rank: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.unravel_index(self.process_ids.index(rank), self.shape))
+
+    def dim(self, name: str) -> int:
+        return self.dim_names.index(name)
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.process_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a tensor lies on a mesh, in Paddle's terms.
+
+    ``dims_mapping[i]`` is the mesh dim that shards tensor dim ``i`` (-1: not
+    sharded); ``partial`` lists the mesh dims along which ranks hold partial
+    values, with the reduction that completes them ("sum", "avg", "max", "min").
+    """
+
+    mesh: Mesh
+    dims_mapping: tuple[int, ...]
+    partial: tuple[tuple[int, str], ...] = ()
+
+    def key(self, rank: int) -> tuple[int, ...]:
+        """Ranks with equal keys hold the same local piece."""
+        c = self.mesh.coord(rank)
+        return tuple(c[m] for m in self.dims_mapping if m >= 0) + tuple(c[m] for m, _ in self.partial)
+
+    def holders(self) -> dict[tuple[int, ...], list[int]]:
+        """One entry per distinct local piece: the ranks holding it, in rank order."""
+        out: dict[tuple[int, ...], list[int]] = {}
+        for r in sorted(self.mesh.process_ids):
+            out.setdefault(self.key(r), []).append(r)
+        return out
+
+    def readers(self) -> list[int]:
+        """One rank per distinct piece: the ranks to read results from."""
+        return [ranks[0] for ranks in self.holders().values()]
+
+    def split(self, array: np.ndarray) -> dict[tuple[int, ...], np.ndarray]:
+        """Cut a full array into the local pieces (even split), keyed like `key`."""
+        if self.partial:
+            raise ValueError("cannot split a partial tensor")
+        sharded = [(d, m) for d, m in enumerate(self.dims_mapping) if m >= 0]
+        pieces = {}
+        for coords in itertools.product(*(range(self.mesh.shape[m]) for _, m in sharded)):
+            index = [slice(None)] * array.ndim
+            for (d, m), c in zip(sharded, coords):
+                n = self.mesh.shape[m]
+                if array.shape[d] % n:
+                    raise ValueError(
+                        f"dim {d} of size {array.shape[d]} does not divide by the {n} ranks "
+                        f"of mesh dim {self.mesh.dim_names[m]!r}"
+                    )
+                step = array.shape[d] // n
+                index[d] = slice(c * step, (c + 1) * step)
+            pieces[coords] = array[tuple(index)]
+        return pieces
+
+    def assemble(self, local: Mapping[int, np.ndarray]) -> np.ndarray:
+        """The full array from local pieces (one per distinct piece is enough)."""
+        by_key: dict[tuple[int, ...], np.ndarray] = {}
+        for r, arr in local.items():
+            by_key.setdefault(self.key(r), np.asarray(arr))
+        n_shard = sum(1 for m in self.dims_mapping if m >= 0)
+        if self.partial:
+            reductions = {op for _, op in self.partial}
+            if len(reductions) > 1:
+                raise ValueError(f"cannot complete a tensor partial in several ways: {self.partial}")
+            reduce = _REDUCE[reductions.pop()]
+            groups: dict[tuple[int, ...], list[np.ndarray]] = {}
+            for k, arr in by_key.items():
+                groups.setdefault(k[:n_shard], []).append(arr)
+            by_key = {k: reduce(np.stack(v), axis=0).astype(v[0].dtype) for k, v in groups.items()}
+        sharded_dims = [d for d, m in enumerate(self.dims_mapping) if m >= 0]
+        return _concat(by_key, sharded_dims)
+
+
+_REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+def _concat(pieces: Mapping[tuple[int, ...], np.ndarray], dims: Sequence[int]) -> np.ndarray:
+    if not dims:
+        (only,) = pieces.values()
+        return only
+    groups: dict[int, dict] = {}
+    for k, arr in pieces.items():
+        groups.setdefault(k[0], {})[k[1:]] = arr
+    parts = [_concat(groups[c], dims[1:]) for c in sorted(groups)]
+    return np.concatenate(parts, axis=dims[0])
+
+
+def data_layout(mesh: Mesh, shard_dims: str | Iterable[str] | None, ndim: int) -> Layout:
+    """Layout of a batch on ``mesh``: dim 0 sharded along the named mesh dims.
+
+    Like ``paddle.distributed.shard_dataloader``'s ``shard_dims``: None means
+    every rank reads the whole batch.
+    """
+    names = [shard_dims] if isinstance(shard_dims, str) else list(shard_dims or [])
+    unknown = [n for n in names if n not in mesh.dim_names]
+    if unknown:
+        raise ValueError(f"shard_dims {unknown} are not dims of the mesh {list(mesh.dim_names)}")
+    if len(names) > 1:
+        raise ValueError("sharding the batch along more than one mesh dim is not supported yet")
+    first = mesh.dim(names[0]) if names else -1
+    return Layout(mesh, (first,) + (-1,) * max(ndim - 1, 0))
