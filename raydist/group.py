@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ class GroupConfig:
             ranks (autoscaling clusters grow meanwhile); None waits forever.
         name: prefix of the actor names (``<name>-rank-<i>``).
         paddle_logs: show Paddle's INFO logs from the ranks (quiet by default).
+        runtime_env: Ray runtime environment of the rank actors (env_vars,
+            pip, working_dir...).
     """
 
     num_workers: int
@@ -55,6 +58,7 @@ class GroupConfig:
     placement_timeout_s: float | None = 300.0
     name: str | None = None
     paddle_logs: bool = False
+    runtime_env: dict | None = None
 
     def bundle(self) -> dict[str, float]:
         if self.resources_per_rank is not None:
@@ -129,6 +133,7 @@ class RankGroup:
                 num_gpus=res.get("GPU", 0),
                 resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=b),
+                runtime_env=cfg.runtime_env,
             ).remote(rank, cfg.num_workers)
             for rank, b in enumerate(order)
         ]
@@ -190,15 +195,10 @@ class RankGroup:
                 i = slot[ref]
                 try:
                     results[i] = ray.get(ref)
-                except ray.exceptions.RayTaskError as e:
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
                     self.shutdown()
-                    cause = getattr(e, "cause", None)
-                    if isinstance(cause, UsageError):
-                        raise UsageError(str(cause)) from None
-                    raise RankError(ranks[i], _task_traceback(e), during=during) from None
-                except ray.exceptions.RayActorError as e:
-                    self.shutdown()
-                    raise RankError(ranks[i], _death_cause(e), died=True, during=during) from None
+                    _drain(pending)
+                    raise _failure(e, ranks[i], during) from None
         return results
 
     def _check_alive(self) -> None:
@@ -229,8 +229,32 @@ class RankGroup:
             self._pg = None
 
 
+def _failure(e: Exception, rank: int, during: str) -> Exception:
+    if isinstance(e, ray.exceptions.RayActorError):
+        return RankError(rank, _death_cause(e), died=True, during=during)
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, UsageError):
+        return UsageError(str(cause))
+    return RankError(rank, _task_traceback(e), during=during)
+
+
+def _drain(refs: Sequence[ray.ObjectRef], timeout: float = 2.0) -> None:
+    """Read what the torn-down ranks' calls ended with, so Ray does not log them as unhandled."""
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:
+            pass
+
+
 def _task_traceback(e: ray.exceptions.RayTaskError) -> str:
-    return getattr(e, "traceback_str", None) or str(e)
+    """The rank's traceback, as Python prints one (Ray's text, without colour codes)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", getattr(e, "traceback_str", None) or str(e)).strip()
+    header, _, frames = text.partition("\n")
+    if not header.startswith("ray::"):
+        return text
+    return f"{frames}" if frames.startswith("Traceback") else f"Traceback (most recent call last):\n{frames}"
 
 
 def _death_cause(e: ray.exceptions.RayActorError) -> str:

@@ -48,7 +48,7 @@ class DistModel:
             (data parallel). The default "dp" splits along the mesh dim named
             "dp" if the model's mesh has one, else every rank gets the whole batch.
         resources_per_rank, placement_strategy, master_port, placement_timeout_s,
-        name, paddle_logs: see `raydist.group.GroupConfig`.
+        name, paddle_logs, runtime_env: see `raydist.group.GroupConfig`.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -73,6 +73,7 @@ class DistModel:
         placement_timeout_s: float | None = 300.0,
         name: str | None = None,
         paddle_logs: bool = False,
+        runtime_env: dict | None = None,
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
@@ -91,7 +92,7 @@ class DistModel:
         _init_ray(num_workers, resources_per_rank, use_gpu)
         self._group = RankGroup(
             GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
-                        placement_timeout_s, name, paddle_logs)  # fmt: skip
+                        placement_timeout_s, name, paddle_logs, runtime_env)  # fmt: skip
         )
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         reports = self._group.run("build", ray.put(payload))
@@ -184,32 +185,34 @@ class DistModel:
         return float(np.mean(values[0]))
 
     def _specs_for(self, arrays: list[np.ndarray]) -> list[TensorSpec]:
-        """The specs these arrays must fit (inferred from them the first time), checked."""
+        """The specs these arrays must fit (inferred from them the first time), checked.
+
+        Nothing is remembered from a batch that fails the checks.
+        """
         mode = self._mode
-        if self._inputs is None:
+        inputs, labels = self._inputs, self._labels
+        if inputs is None:
             n_inputs = len(arrays) if mode == "predict" else len(arrays) - 1
             if n_inputs < 1:
                 raise ValueError(f"{mode} takes inputs and labels: got {len(arrays)} array(s)")
-            self._inputs = self._with_layouts([spec_of(a, f"input{i}") for i, a in enumerate(arrays[:n_inputs])])
-        if mode != "predict" and self._labels is None:
-            labels = arrays[len(self._inputs):]
-            self._labels = self._with_layouts([spec_of(a, f"label{i}") for i, a in enumerate(labels)])
-        specs = self._inputs + ([] if mode == "predict" else self._labels)
+            inputs = self._with_layouts([spec_of(a, f"input{i}") for i, a in enumerate(arrays[:n_inputs])])
+        if mode != "predict" and labels is None:
+            labels = self._with_layouts([spec_of(a, f"label{i}") for i, a in enumerate(arrays[len(inputs):])])
+        specs = inputs + ([] if mode == "predict" else labels)
         if len(arrays) != len(specs):
             what = "inputs" if mode == "predict" else "inputs and labels"
             raise ValueError(
                 f"{mode} takes {len(specs)} {what} ({', '.join(s.name for s in specs)}), got {len(arrays)} array(s)"
             )
         for i, (spec, array) in enumerate(zip(specs, arrays)):
-            spec.check(array, "label" if i >= len(self._inputs) else "input")
+            spec.check(array, "label" if i >= len(inputs) else "input")
             _check_divides(spec, array)
-        if not all(s.complete for s in specs):  # dims the input_spec left open
-            n = len(self._inputs)
-            self._inputs = [s.resolved(a) for s, a in zip(self._inputs, arrays[:n])]
-            if mode != "predict":
-                self._labels = [s.resolved(a) for s, a in zip(self._labels, arrays[n:])]
-            specs = self._inputs + ([] if mode == "predict" else self._labels)
-        return specs
+        # fill the dims an input_spec left open
+        inputs = [s.resolved(a) for s, a in zip(inputs, arrays)]
+        if mode != "predict":
+            labels = [s.resolved(a) for s, a in zip(labels, arrays[len(inputs):])]
+        self._inputs, self._labels = inputs, labels
+        return inputs + ([] if mode == "predict" else labels)
 
     # -- programs and state ----------------------------------------------------
 

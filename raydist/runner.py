@@ -122,13 +122,7 @@ class StaticRunner:
         mode = mode or self.mode
         if mode not in self._plans:
             raise ValueError(f"mode {mode!r} has no program yet: switch to it and run a step first")
-        getter = {
-            "dist_main": self.model.dist_main_program,
-            "dist_startup": self.model.dist_startup_program,
-            "serial_main": self.model.serial_main_program,
-            "serial_startup": self.model.serial_startup_program,
-        }[kind]
-        return str(getter(mode))
+        return str(compat_engine.program(self.engine, kind, mode))
 
     def state_dict(self, mode: str) -> dict[str, tuple[np.ndarray, Layout]]:
         """This rank's pieces of the state: {structured name: (local array, layout)}."""

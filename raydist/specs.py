@@ -35,8 +35,8 @@ class TensorSpec:
         if len(array.shape) != len(self.shape) or any(
             s is not None and s != a for s, a in zip(self.shape, array.shape)
         ):
-            shape = tuple("?" if s is None else s for s in self.shape)
-            raise ValueError(f"{what} {self.name!r} has shape {array.shape}, the model takes {shape}")
+            shape = ", ".join("?" if s is None else str(s) for s in self.shape)
+            raise ValueError(f"{what} {self.name!r} has shape {array.shape}, the model takes ({shape})")
 
     def resolved(self, array: np.ndarray | None = None, layout: Layout | None = None) -> "TensorSpec":
         shape = self.shape if array is None else tuple(a if s is None else s for s, a in zip(self.shape, array.shape))

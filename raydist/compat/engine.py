@@ -72,6 +72,16 @@ def build(engine, mode: str, *, first: bool) -> list[str]:
     return [loss] if isinstance(loss, str) else list(loss)[:1]
 
 
+def program(engine, kind: str, mode: str):
+    """``kind`` ("dist_main", "dist_startup", "serial_main", "serial_startup") of ``mode``."""
+    return {
+        "dist_main": engine._pir_dist_main_progs,
+        "dist_startup": engine._pir_dist_startup_progs,
+        "serial_main": engine._fwd_main_progs,
+        "serial_startup": engine._startup_progs,
+    }[kind][mode]
+
+
 def _initialize_as_train(engine) -> None:
     # _initialize returns at once unless mode == "train": hand it this mode's
     # programs under the name "train" for the one call.
@@ -95,6 +105,7 @@ def apply() -> None:
     if _applied:
         return
     expect_source(_engine.Engine._initialize, 'if mode != "train":', fix="engine")
+    expect_source(_engine.Engine.get_dist_main_program, "self._pir_dist_main_progs[self._mode]", fix="engine")
     expect_source(_helper.ProxyLayer._predict, "self._output_vars[mode] = self.inner_layer(*inputs)", fix="engine")
     _helper.ProxyLayer._predict = _predict
     _applied = True

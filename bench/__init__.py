@@ -1,0 +1,1 @@
+"""raydist benchmarks: run with `python -m bench` (see bench/run.py)."""

@@ -1,0 +1,113 @@
+"""Small models for the tests, and the single-process reference they are held to.
+
+Every distributed run in the tests is compared with `reference`: the same
+model trained in this one plain process (dygraph, no distribution) on the
+same global batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import Replicate, Shard
+
+IN, HIDDEN, OUT = 12, 24, 6
+
+
+def init_values(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.RandomState(seed)
+    shapes = {"fc1.weight": (IN, HIDDEN), "fc1.bias": (HIDDEN,), "fc2.weight": (HIDDEN, OUT), "fc2.bias": (OUT,)}
+    return {k: (rng.randn(*s) * 0.3).astype("float32") for k, s in shapes.items()}
+
+
+# placements per parameter, by mesh dim name: "col"/"row" tensor parallel on "mp"
+def _placements(mesh_dims: list[str], name: str, tp: bool) -> list:
+    out = []
+    for d in mesh_dims:
+        if d == "mp" and tp:
+            out.append({"fc1.weight": Shard(1), "fc1.bias": Shard(0), "fc2.weight": Shard(0)}.get(name, Replicate()))
+        else:
+            out.append(Replicate())
+    return out
+
+
+class MLP(paddle.nn.Layer):
+    """Linear(12, 24) -> tanh -> Linear(24, 6); column- then row-parallel on a "mp" mesh dim."""
+
+    def __init__(self, mesh: dist.ProcessMesh | None = None, tp: bool = True, seed: int = 0, fail_on_rank=None):
+        super().__init__()
+        self.fc1 = paddle.nn.Linear(IN, HIDDEN)
+        self.fc2 = paddle.nn.Linear(HIDDEN, OUT)
+        self.fail_on_rank = fail_on_rank
+        for name, value in init_values(seed).items():
+            layer, attr = name.split(".")
+            param = getattr(getattr(self, layer), attr)
+            param.set_value(value)
+            if mesh is not None:
+                sharded = dist.shard_tensor(param, mesh, _placements(mesh.dim_names, name, tp))
+                setattr(getattr(self, layer), attr, sharded)
+
+    def forward(self, x):
+        if self.fail_on_rank is not None and dist.get_rank() == self.fail_on_rank:
+            raise RuntimeError(f"forward fails on rank {self.fail_on_rank} on purpose")
+        return self.fc2(paddle.tanh(self.fc1(x)))
+
+
+def build(kind: str, **kwargs):
+    """A build_layer for raydist: "dp" and "mp" on 2 ranks, "dpmp" on 4."""
+
+    def build_layer():
+        if kind == "dp":
+            return MLP(dist.ProcessMesh([0, 1], dim_names=["dp"]), **kwargs)
+        if kind == "mp":
+            return MLP(dist.ProcessMesh([0, 1], dim_names=["mp"]), **kwargs)
+        if kind == "dpmp":
+            return MLP(dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]), **kwargs)
+        raise ValueError(kind)
+
+    return build_layer
+
+
+def sgd(lr: float = 0.05):
+    return lambda params: paddle.optimizer.SGD(lr, parameters=params)
+
+
+def adamw(lr: float = 0.01):
+    return lambda params: paddle.optimizer.AdamW(lr, parameters=params, weight_decay=0.01)
+
+
+def batches(n: int, batch: int = 8, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(batch, IN).astype("float32"), rng.randn(batch, OUT).astype("float32")) for _ in range(n)]
+
+
+class Reference:
+    """The same model in this one plain process: the numbers raydist must match."""
+
+    def __init__(self, optimizer=None, seed: int = 0):
+        self.net = MLP(seed=seed)
+        self.opt = optimizer(self.net.parameters()) if optimizer else None
+        self.loss_fn = paddle.nn.MSELoss()
+
+    def train(self, x, y) -> float:
+        loss = self.loss_fn(self.net(paddle.to_tensor(x)), paddle.to_tensor(y))
+        loss.backward()
+        self.opt.step()
+        self.opt.clear_grad()
+        return float(loss)
+
+    def eval(self, x, y) -> float:
+        with paddle.no_grad():
+            return float(self.loss_fn(self.net(paddle.to_tensor(x)), paddle.to_tensor(y)))
+
+    def predict(self, x) -> np.ndarray:
+        with paddle.no_grad():
+            return self.net(paddle.to_tensor(x)).numpy()
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in self.net.state_dict().items()}
+
+
+def assert_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6, what: str = "") -> None:
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol, err_msg=what)

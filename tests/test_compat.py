@@ -1,0 +1,171 @@
+"""Canaries for raydist.compat: each Paddle defect a fix answers is still there.
+
+When one of these fails, Paddle changed: check whether the defect is fixed,
+then drop or update the fix in raydist/compat (and this test).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import paddle
+import pytest
+
+from raydist import compat
+
+pytestmark = pytest.mark.timeout(120)
+
+TWO_RANK_ENV = dict(
+    PADDLE_TRAINER_ID="0", PADDLE_TRAINERS_NUM="2",
+    PADDLE_TRAINER_ENDPOINTS="127.0.0.1:1,127.0.0.1:2", PADDLE_CURRENT_ENDPOINT="127.0.0.1:1",
+)  # fmt: skip
+
+
+def run_plain_paddle(code: str, env: dict | None = None) -> str:
+    """Run ``code`` in a fresh process with plain (unpatched) Paddle; its stdout."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, "GLOG_minloglevel": "3", **(env or {})},
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_paddle_version_is_the_one_the_fixes_were_written_for():
+    assert paddle.__version__ == compat.PADDLE_VERSION
+
+
+def test_expect_source_refuses_changed_code():
+    compat.expect_source(test_expect_source_refuses_changed_code, "refuses", fix="t")
+    with pytest.raises(compat.CompatError, match="written for Paddle"):
+        compat.expect_source(test_expect_source_refuses_changed_code, "no such text " * 2, fix="t")
+
+
+def test_rings_defect_1_instantiate_has_no_cpu_path():
+    out = run_plain_paddle(
+        """
+        from paddle.distributed.auto_parallel.static import process_group as pg
+        try:
+            pg.new_process_group([0, 1]).instantiate()
+        except AssertionError as e:
+            print("defect:", e)
+        """,
+        TWO_RANK_ENV,
+    )
+    assert "defect: No CUDA device found" in out
+
+
+def test_rings_defect_2_legacy_barrier_has_no_cpu_kernel():
+    out = run_plain_paddle(
+        """
+        import paddle
+        t = paddle.full([1], 1, dtype="int32")
+        try:
+            paddle._legacy_C_ops.barrier(t, t, "ring_id", 0)
+        except RuntimeError as e:
+            print("defect:", str(e).splitlines()[0])
+        """
+    )
+    assert "defect:" in out and "NCCLCommContext is nullptr" in out
+
+
+def test_rings_defect_3_ring_ids_depend_on_creation_order():
+    out = run_plain_paddle(
+        """
+        from paddle.distributed.auto_parallel.static import process_group as pg
+        first = pg.new_process_group([0, 1]).id
+        pg.clear_all_process_groups()
+        pg.new_process_group([2, 3])
+        print("ids", first, pg.new_process_group([0, 1]).id)
+        """
+    )
+    first, second = map(int, out.split("ids")[1].split())
+    assert first != second  # the same ranks get another id when created second
+
+
+def test_rings_fix_derives_ids_from_the_ranks():
+    from raydist.compat.rings import ring_id
+
+    assert ring_id([0, 1]) == ring_id([0, 1]) != ring_id([2, 3])
+    assert ring_id([0, 1]) != ring_id([1, 0]) != ring_id([0, 1], 1)
+    assert 1_000_000 <= ring_id(list(range(64))) < 2**31
+
+
+SINGLE_PROCESS_MODEL = """
+    import paddle, paddle.distributed as dist
+    from paddle.static import InputSpec
+    mesh = dist.ProcessMesh([0], dim_names=["x"])
+    net = paddle.nn.Linear(4, 2)
+    net.weight = dist.shard_tensor(net.weight, mesh, [dist.Replicate()])
+    spec = [[InputSpec([2, 4], "float32", "x")], [InputSpec([2, 2], "float32", "y")]]
+    x, y = paddle.ones([2, 4]), paddle.ones([2, 2])
+"""
+
+
+def test_engine_defect_1_predict_raises_keyerror():
+    out = run_plain_paddle(
+        SINGLE_PROCESS_MODEL
+        + """
+    dm = dist.to_static(net, None, paddle.nn.MSELoss(), paddle.optimizer.SGD(0.1, parameters=net.parameters()),
+                        input_spec=spec)
+    dm.train(); dm(x, y); dm.predict()
+    try:
+        dm(x)
+    except KeyError as e:
+        print("defect: KeyError", e)
+    """
+    )
+    assert "defect: KeyError 'predict'" in out
+
+
+def test_engine_defect_2_eval_without_optimizer_fails():
+    out = run_plain_paddle(
+        SINGLE_PROCESS_MODEL
+        + """
+    dm = dist.to_static(net, None, paddle.nn.MSELoss(), None, input_spec=spec)
+    dm.eval()
+    try:
+        dm(x, y)
+    except AttributeError as e:
+        print("defect:", e)
+    """
+    )
+    assert "defect:" in out and "NoneType" in out
+
+
+def test_engine_defect_4_dist_main_program_ignores_mode():
+    out = run_plain_paddle(
+        SINGLE_PROCESS_MODEL
+        + """
+    dm = dist.to_static(net, None, paddle.nn.MSELoss(), paddle.optimizer.SGD(0.1, parameters=net.parameters()),
+                        input_spec=spec)
+    dm.train(); dm.eval()
+    print("sgd in train program:", "sgd" in str(dm.dist_main_program("train")))
+    """
+    )
+    assert "sgd in train program: False" in out
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+def test_collectives_defect_dp_replicas_drift_without_the_fix():
+    """dp x mp on 4 CPU ranks without the collectives fix: the dp all-reduce runs on the mp ring."""
+    import raydist
+    from models import Reference, batches, build, sgd
+
+    data = batches(3)
+    ref = Reference(sgd())
+    for x, y in data:
+        ref.train(x, y)
+    env = {"env_vars": {compat.DISABLE_ENV: "collectives"}}
+    with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4,
+                           runtime_env=env) as dm:  # fmt: skip
+        assert "collectives" not in dm._group.fixes
+        for x, y in data:
+            dm(x, y)
+        params = dm.state_dict("param")
+    worst = max(np.abs(params[k] - v).max() for k, v in ref.params().items())
+    assert worst > 1e-3, "dp x mp is exact without raydist's collectives fix: Paddle fixed the defect"

@@ -1,0 +1,76 @@
+"""The rank group's life: names, ports, shutdown by call, by `with` and by garbage collection."""
+
+import gc
+import socket
+
+import paddle
+import pytest
+import ray
+from ray.util.placement_group import placement_group_table
+
+import raydist
+from models import Reference, assert_close, batches, build, sgd
+from test_failures import wait_gone
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
+
+
+def _pg_state(dm):
+    return placement_group_table(dm._group._pg)["state"] if dm._group._pg is not None else "REMOVED"
+
+
+def test_named_actors_and_shutdown_by_with():
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                           name="rdtest") as dm:  # fmt: skip
+        pg = dm._group._pg
+        assert placement_group_table(pg)["state"] == "CREATED"
+        assert len(placement_group_table(pg)["bundles"]) == 2
+        for rank in range(2):
+            status = ray.get(ray.get_actor(f"rdtest-rank-{rank}").status.remote())
+            assert status["rank"] == rank and status["device"] == "cpu"
+        pids = list(dm._group.pids)
+    wait_gone(pids)
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    with pytest.raises(ValueError):
+        ray.get_actor("rdtest-rank-0")
+
+
+def test_garbage_collection_shuts_the_group_down():
+    dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
+    pids, pg = list(dm._group.pids), dm._group._pg
+    del dm
+    gc.collect()
+    wait_gone(pids)
+    assert placement_group_table(pg)["state"] == "REMOVED"
+
+
+def test_taken_master_port_is_replaced():
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        x, y = batches(1)[0]
+        with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                               master_port=port) as dm:  # fmt: skip
+            assert_close(dm(x, y), Reference(sgd()).train(x, y))
+
+
+def test_programs_of_any_rank_and_mode():
+    x, y = batches(1)[0]
+    with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4) as dm:
+        with pytest.raises(ValueError, match="first train step"):
+            dm.dist_main_program()
+        dm(x, y)
+        train0 = dm.dist_main_program("train")
+        assert "pd_op.matmul" in train0 and "all_reduce" in dm.dist_main_program(rank=0)
+        assert dm.dist_main_program("train", rank=3) != train0  # other rings
+        assert "pd_op" in dm.dist_startup_program()
+        assert "pd_op.matmul" in dm.serial_main_program()
+        assert "pd_op" in dm.serial_startup_program()
+        eval0 = dm.dist_main_program("eval")  # built on demand, mode unchanged
+        assert "pd_op.matmul" in eval0 and dm.mode == "train"
+        assert "sgd" not in eval0 and "sgd" in train0
+        with pytest.raises(ValueError, match="rank"):
+            dm.dist_main_program(rank=4)
+        with pytest.raises(ValueError, match="mode"):
+            dm.dist_main_program("fit")

@@ -1,0 +1,87 @@
+"""Pure units: layouts, the rank environment (GPU included), specs. No Ray, no ranks."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from raydist.env import RankPlace, paddle_env
+from raydist.specs import TensorSpec
+from raydist.topology import Layout, Mesh, data_layout
+
+MESH = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
+
+
+def test_mesh_coordinates():
+    assert MESH.coord(0) == (0, 0) and MESH.coord(3) == (1, 1) and MESH.coord(2) == (1, 0)
+    with pytest.raises(ValueError):
+        Mesh((2, 2), (0, 1, 2), ("a", "b"))
+
+
+def test_data_layout_splits_along_dp_and_replicates_along_mp():
+    layout = data_layout(MESH, "dp", 2)
+    x = np.arange(16).reshape(8, 2)
+    pieces = layout.split(x)
+    assert set(pieces) == {(0,), (1,)}
+    np.testing.assert_array_equal(pieces[(1,)], x[4:])
+    assert layout.key(0) == layout.key(1) == (0,) and layout.key(2) == layout.key(3) == (1,)
+    assert layout.readers() == [0, 2]
+    np.testing.assert_array_equal(layout.assemble({r: pieces[layout.key(r)] for r in range(4)}), x)
+    assert data_layout(MESH, None, 2).readers() == [0]
+    with pytest.raises(ValueError, match="not dims of the mesh"):
+        data_layout(MESH, "pp", 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        layout.split(x[:7])
+
+
+def test_assemble_two_dim_sharding_and_partials():
+    full = np.arange(24, dtype=np.float32).reshape(4, 6)
+    layout = Layout(MESH, (0, 1))  # rows on dp, columns on mp
+    local = {r: full[2 * c[0]: 2 * c[0] + 2, 3 * c[1]: 3 * c[1] + 3] for r in range(4) for c in [MESH.coord(r)]}
+    np.testing.assert_array_equal(layout.assemble(local), full)
+    avg = Layout(MESH, (), ((0, "avg"),))  # a loss averaged over dp
+    assert avg.readers() == [0, 2]
+    assert avg.assemble({0: np.float32(1.0), 2: np.float32(3.0)}) == 2.0
+    total = Layout(MESH, (-1,), ((1, "sum"),))
+    np.testing.assert_array_equal(total.assemble({0: np.ones(2), 1: np.ones(2) * 2}), [3, 3])
+
+
+def test_cpu_environment():
+    places = [RankPlace("n1", "10.0.0.1")] * 2 + [RankPlace("n2", "10.0.0.2")] * 2
+    eps = ["10.0.0.1:1", "10.0.0.1:2", "10.0.0.2:1", "10.0.0.2:2"]
+    env = paddle_env(3, places, eps, "10.0.0.1:9", use_gpu=False)
+    assert env["PADDLE_DISTRI_BACKEND"] == "gloo" and env["PADDLE_MASTER"] == "10.0.0.1:9"
+    assert env["PADDLE_TRAINER_ID"] == "3" and env["PADDLE_TRAINERS_NUM"] == "4"
+    assert env["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.2:2" and env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(eps)
+    assert env["PADDLE_LOCAL_RANK"] == "1" and env["PADDLE_LOCAL_SIZE"] == "2" and env["PADDLE_NNODES"] == "2"
+    assert "CUDA_VISIBLE_DEVICES" not in env and "FLAGS_selected_gpus" not in env and "POD_NAME" not in env
+
+
+def test_gpu_environment_shares_the_node_gpus_in_id_order():
+    # Ray gave rank 0 GPU 3 and rank 1 GPU 1 on node n1; rank 2 GPU 0 on node n2.
+    places = [RankPlace("n1", "a", ("3",)), RankPlace("n1", "a", ("1",)), RankPlace("n2", "b", ("0",))]
+    eps = ["a:1", "a:2", "b:1"]
+    envs = [paddle_env(r, places, eps, "a:9", use_gpu=True) for r in range(3)]
+    assert all(e["PADDLE_DISTRI_BACKEND"] == "nccl" for e in envs)
+    assert envs[0]["CUDA_VISIBLE_DEVICES"] == envs[1]["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert [e["FLAGS_selected_gpus"] for e in envs] == ["0", "1", "0"]  # rank 0 takes the lower id
+    assert envs[2]["CUDA_VISIBLE_DEVICES"] == "0"
+    with pytest.raises(ValueError, match="GPUs"):
+        paddle_env(0, [RankPlace("n1", "a", ())] * 2, eps[:2], "a:9", use_gpu=True)
+
+
+def test_spec_checks():
+    spec = TensorSpec("x", (None, 3), "float32")
+    spec.check(np.zeros((5, 3), np.float32), "input")
+    with pytest.raises(TypeError, match="dtype"):
+        spec.check(np.zeros((5, 3)), "input")
+    with pytest.raises(ValueError, match=r"\(\?, 3\)"):
+        spec.check(np.zeros((5, 4), np.float32), "input")
+    assert spec.resolved(np.zeros((5, 3), np.float32)).shape == (5, 3)
+
+
+def test_driver_imports_no_rank_code():
+    code = "import raydist, sys; print(sorted(m for m in sys.modules if m.startswith(('raydist.', 'paddle'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "raydist.compat" not in out and "raydist.runner" not in out and "'paddle'" not in out
