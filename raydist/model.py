@@ -9,9 +9,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import ray
+from ray import cloudpickle
 
 from .group import GroupConfig, RankGroup
 from .specs import TensorSpec, from_input_spec, spec_of

@@ -16,8 +16,8 @@ import os
 import socket
 import warnings
 
-import cloudpickle
 import ray
+from ray import cloudpickle
 
 from .env import RankPlace
 from .errors import UsageError
