@@ -84,3 +84,56 @@ def test_input_spec_builds_at_construction():
         assert "pd_op" in dm.dist_main_program()  # built before the first step
         for x, y in data:
             assert_close(dm(x, y), ref.train(x, y))
+
+
+class Classifier(paddle.nn.Layer):
+    """No dist parameters at all: raydist lays the batch on all ranks as "dp"."""
+
+    def __init__(self):
+        super().__init__()
+        paddle.seed(7)
+        self.fc = paddle.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_plain_layer_int64_labels_cross_entropy():
+    rng = np.random.RandomState(0)
+    data = [(rng.randn(8, 6).astype("float32"), rng.randint(0, 3, (8, 1)).astype("int64")) for _ in range(4)]
+    net, loss_fn = Classifier(), paddle.nn.CrossEntropyLoss()
+    opt = paddle.optimizer.SGD(0.1, parameters=net.parameters())
+    with raydist.to_static(Classifier, loss=paddle.nn.CrossEntropyLoss(), optimizer=sgd(0.1), num_workers=2) as dm:
+        for x, y in data:
+            loss = loss_fn(net(paddle.to_tensor(x)), paddle.to_tensor(y))
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            assert_close(dm(x, y), float(loss))
+        assert_close(dm.state_dict("param")["fc.weight"], net.fc.weight.numpy())
+
+
+class TwoHeads(paddle.nn.Layer):
+    """Two outputs, column-sharded: predict assembles them from the mp shards."""
+
+    def __init__(self):
+        super().__init__()
+        paddle.seed(3)
+        self.fc = paddle.nn.Linear(6, 4)
+        mesh = paddle.distributed.ProcessMesh([0, 1], dim_names=["mp"])
+        self.fc.weight = paddle.distributed.shard_tensor(self.fc.weight, mesh, [paddle.distributed.Shard(1)])
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, paddle.tanh(h)
+
+
+def test_predict_several_sharded_outputs():
+    x = np.random.RandomState(1).randn(8, 6).astype("float32")
+    paddle.seed(3)
+    h = paddle.nn.Linear(6, 4)(paddle.to_tensor(x)).numpy()
+    with raydist.to_static(TwoHeads, num_workers=2) as dm:
+        out = dm(x)
+    assert isinstance(out, list) and len(out) == 2
+    assert_close(out[0], h)
+    assert_close(out[1], np.tanh(h))
