@@ -87,7 +87,7 @@ class DistModel:
         self._mode = "train" if (self._loss and self._optimizer) else ("eval" if self._loss else "predict")
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._plans: dict[str, Any] = {}  # mode -> ModePlan from rank 0
-        self._sent_specs: tuple | None = None  # (inputs, labels) the ranks have
+        self._specs_changed = True  # the ranks have not seen the latest specs
 
         _init_ray(num_workers, resources_per_rank, use_gpu)
         self._group = RankGroup(
@@ -130,17 +130,14 @@ class DistModel:
             self._sync_mode()
 
     def _specs_known(self, mode: str) -> bool:
-        specs = (self._inputs or []) + ([] if mode == "predict" else (self._labels or []))
-        return self._inputs is not None and (mode == "predict" or self._labels is not None) and all(
-            s.complete for s in specs
-        )
+        needed = [self._inputs] if mode == "predict" else [self._inputs, self._labels]
+        return all(specs is not None and all(s.complete for s in specs) for specs in needed)
 
     def _sync_mode(self) -> None:
         """Build (once) and enter the current mode on every rank; waits, so build errors show here."""
-        specs = (tuple(self._inputs or ()), tuple(self._labels or ()))
-        if specs != self._sent_specs:
-            self._group.run("set_specs", list(specs[0]), list(specs[1]))
-            self._sent_specs = specs
+        if self._specs_changed:
+            self._group.run("set_specs", self._inputs or [], self._labels or [])
+            self._specs_changed = False
         if self._rank_mode != self._mode:
             plans = self._group.run("set_mode", self._mode)
             self._plans[self._mode] = plans[0]
@@ -207,11 +204,12 @@ class DistModel:
         for i, (spec, array) in enumerate(zip(specs, arrays)):
             spec.check(array, "label" if i >= len(inputs) else "input")
             _check_divides(spec, array)
-        # fill the dims an input_spec left open
-        inputs = [s.resolved(a) for s, a in zip(inputs, arrays)]
-        if mode != "predict":
-            labels = [s.resolved(a) for s, a in zip(labels, arrays[len(inputs):])]
-        self._inputs, self._labels = inputs, labels
+        if not all(s.complete for s in specs):  # dims an input_spec left open
+            inputs = [s.resolved(a) for s, a in zip(inputs, arrays)]
+            if mode != "predict":
+                labels = [s.resolved(a) for s, a in zip(labels, arrays[len(inputs):])]
+        if (inputs, labels) != (self._inputs, self._labels):
+            self._inputs, self._labels, self._specs_changed = inputs, labels, True
         return inputs + ([] if mode == "predict" else labels)
 
     # -- programs and state ----------------------------------------------------
