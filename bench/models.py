@@ -19,19 +19,37 @@ def world_size(name: str) -> int:
     return int(np.asarray(MODELS[name][0]).size)
 
 
-def build_layer(name: str):
-    """The quickstart MLP on the benchmark's mesh (runs on every rank)."""
+def batch_size(name: str) -> int:
+    return MODELS[name][2]
+
+
+def mesh(name: str):
     import paddle.distributed as dist
 
-    from examples.quickstart import MLP
-
     ids, dims = MODELS[name][:2]
-    return MLP(dist.ProcessMesh(ids, dim_names=dims))
+    return dist.ProcessMesh(ids, dim_names=dims)
 
 
-def data(name: str, steps: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    from examples.quickstart import IN, OUT
+IN, OUT = 16, 4  # the quickstart MLP's, without importing Paddle where rows are made
 
-    batch = MODELS[name][2]
-    rng = np.random.RandomState(seed)
-    return [(rng.randn(batch, IN).astype("float32"), rng.randn(batch, OUT).astype("float32")) for _ in range(steps)]
+
+def build_layer(name: str):
+    """The quickstart MLP on the benchmark's mesh (runs on every rank)."""
+    import examples.quickstart as qs
+
+    assert (qs.IN, qs.OUT) == (IN, OUT)
+    return qs.MLP(mesh(name))
+
+
+def rows(ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Row ``i`` of the benchmark data, for every id: the same wherever it is made."""
+    ids = np.asarray(ids, dtype=np.int64)
+    x = np.sin(np.outer(ids + 1, np.arange(1, IN + 1))).astype("float32")
+    y = np.cos(np.outer(ids + 1, np.arange(1, OUT + 1))).astype("float32")
+    return {"x": x, "y": y}
+
+
+def data(name: str, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` global batches, in order."""
+    b = batch_size(name)
+    return [(r["x"], r["y"]) for r in (rows(np.arange(k * b, (k + 1) * b)) for k in range(steps))]

@@ -9,9 +9,19 @@ switches modes, sends batches and gathers results::
     loss = dm(x, y)
 """
 
+from .data import Handle, ShardDataloader, shard_dataloader
 from .errors import GroupShutdownError, RankError, UsageError
 from .model import DistModel, to_static
 
 __version__ = "0.1.0"
 
-__all__ = ["DistModel", "GroupShutdownError", "RankError", "UsageError", "to_static"]
+__all__ = [
+    "DistModel",
+    "GroupShutdownError",
+    "Handle",
+    "RankError",
+    "ShardDataloader",
+    "UsageError",
+    "shard_dataloader",
+    "to_static",
+]

@@ -27,7 +27,8 @@ from .rank import RankActor
 
 log = logging.getLogger("raydist")
 
-_RemoteRank = ray.remote(RankActor)
+# "data": a loader's reader thread, so reading overlaps the steps (default group).
+_RemoteRank = ray.remote(concurrency_groups={"data": 1})(RankActor)
 
 
 @dataclasses.dataclass

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +15,7 @@ import numpy as np
 import ray
 from ray import cloudpickle
 
+from .data import Handle, ShardDataloader, handles_in
 from .group import GroupConfig, RankGroup
 from .specs import TensorSpec, from_input_spec, spec_of
 from .topology import Layout, Mesh, data_layout
@@ -77,6 +80,9 @@ class DistModel:
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
+        if inputs is None and loader is not None:  # as Paddle: the last column is the label
+            specs = loader.specs()
+            inputs, labels = (specs[:-1], specs[-1:]) if len(specs) > 1 else (specs, None)
         num_workers = _num_workers(num_workers, (inputs or []) + (labels or []))
         payload = _pickle((layer, loss, optimizer, strategy, list(metrics or [])))
 
@@ -95,6 +101,8 @@ class DistModel:
                         placement_timeout_s, name, paddle_logs, runtime_env)  # fmt: skip
         )
         self._finalizer = weakref.finalize(self, self._group.shutdown)
+        if loader is not None:
+            loader.bind(self._group)
         reports = self._group.run("build", ray.put(payload))
         self._mesh = _data_mesh(reports[0]["meshes"], num_workers)
         self._inputs = self._with_layouts(self._inputs)
@@ -158,22 +166,45 @@ class DistModel:
         """One step on a GLOBAL batch: the loss (train, eval) or the outputs (predict).
 
         Arguments are numpy arrays or paddle Tensors (or lists of them), inputs
-        then labels, as for Paddle's DistModel; predict takes inputs only.
+        then labels, as for Paddle's DistModel; or the handles a
+        `raydist.shard_dataloader` yields, which the ranks read themselves.
+        Predict takes inputs only.
         """
+        handles = handles_in(args)
+        if handles:
+            return self._step_loader(args, handles)
         arrays = _to_arrays(args)
-        specs = self._specs_for(arrays)
+        specs = self._take_specs([spec_of(a, f"#{i}") for i, a in enumerate(arrays)])
         self._sync_mode()
-        pieces, layouts = [], []
-        for spec, array in zip(specs, arrays):
-            layouts.append(spec.layout)
-            pieces.append({key: ray.put(piece) for key, piece in spec.layout.split(array).items()})
         plan = self._plans[self._mode]
-        readers = {r for layout in plan.layouts for r in layout.readers()}
+        readers = _readers(plan)
+        pieces = [{key: ray.put(p) for key, p in s.layout.split(a).items()} for s, a in zip(specs, arrays)]
         args_per_rank = [
-            (rank in readers, *[p[_key(layout, rank)] for p, layout in zip(pieces, layouts)])
+            (rank in readers, *[p[_key(s.layout, rank)] for p, s in zip(pieces, specs)])
             for rank in range(len(self._group))
         ]
-        results = self._group.gather(self._group.each("step", args_per_rank), "step")
+        return self._results(plan, self._group.gather(self._group.each("step", args_per_rank), "step"))
+
+    def _step_loader(self, args: Sequence[Any], handles: list[Handle]) -> Any:
+        first = handles[0]
+        if len(handles) != _count_args(args):
+            raise TypeError("pass either loader handles or arrays to a DistModel call, not both")
+        if any((h.loader, h.epoch, h.step) != (first.loader, first.epoch, first.step) for h in handles):
+            raise ValueError("the handles of one call must come from the same batch of one loader")
+        loader = first.loader
+        by_key = {s.name: s for s in loader.specs()}
+        self._take_specs([by_key[str(h.key)] for h in handles])
+        loader.bind(self._group)
+        self._sync_mode()
+        plan = self._plans[self._mode]
+        readers = _readers(plan)
+        keys = [h.key for h in handles]
+        refs = loader.rank_refs(first)
+        sent_at = time.time()
+        args_per_rank = [(rank in readers, refs[rank], keys, sent_at) for rank in range(len(self._group))]
+        return self._results(plan, self._group.gather(self._group.each("step_batch", args_per_rank), "step"))
+
+    def _results(self, plan, results: list) -> Any:
         values = [
             layout.assemble({r: results[r][i] for r in layout.readers()}) for i, layout in enumerate(plan.layouts)
         ]
@@ -181,33 +212,33 @@ class DistModel:
             return values[0] if len(values) == 1 else values
         return float(np.mean(values[0]))
 
-    def _specs_for(self, arrays: list[np.ndarray]) -> list[TensorSpec]:
-        """The specs these arrays must fit (inferred from them the first time), checked.
+    def _take_specs(self, given: list[TensorSpec]) -> list[TensorSpec]:
+        """The model's specs for a call with these arguments, inferred the first time; checked.
 
-        Nothing is remembered from a batch that fails the checks.
+        Nothing is remembered from arguments that fail the checks.
         """
         mode = self._mode
         inputs, labels = self._inputs, self._labels
         if inputs is None:
-            n_inputs = len(arrays) if mode == "predict" else len(arrays) - 1
+            n_inputs = len(given) if mode == "predict" else len(given) - 1
             if n_inputs < 1:
-                raise ValueError(f"{mode} takes inputs and labels: got {len(arrays)} array(s)")
-            inputs = self._with_layouts([spec_of(a, f"input{i}") for i, a in enumerate(arrays[:n_inputs])])
+                raise ValueError(f"{mode} takes inputs and labels: got {len(given)} argument(s)")
+            inputs = self._with_layouts([_named(g, f"input{i}") for i, g in enumerate(given[:n_inputs])])
         if mode != "predict" and labels is None:
-            labels = self._with_layouts([spec_of(a, f"label{i}") for i, a in enumerate(arrays[len(inputs):])])
+            labels = self._with_layouts([_named(g, f"label{i}") for i, g in enumerate(given[len(inputs):])])
         specs = inputs + ([] if mode == "predict" else labels)
-        if len(arrays) != len(specs):
+        if len(given) != len(specs):
             what = "inputs" if mode == "predict" else "inputs and labels"
             raise ValueError(
-                f"{mode} takes {len(specs)} {what} ({', '.join(s.name for s in specs)}), got {len(arrays)} array(s)"
+                f"{mode} takes {len(specs)} {what} ({', '.join(s.name for s in specs)}), got {len(given)}"
             )
-        for i, (spec, array) in enumerate(zip(specs, arrays)):
-            spec.check(array, "label" if i >= len(inputs) else "input")
-            _check_divides(spec, array)
+        for i, (spec, g) in enumerate(zip(specs, given)):
+            spec.check(g, "label" if i >= len(inputs) else "input")
+            _check_divides(spec, g.shape)
         if not all(s.complete for s in specs):  # dims an input_spec left open
-            inputs = [s.resolved(a) for s, a in zip(inputs, arrays)]
+            inputs = [s.resolved(g) for s, g in zip(inputs, given)]
             if mode != "predict":
-                labels = [s.resolved(a) for s, a in zip(labels, arrays[len(inputs):])]
+                labels = [s.resolved(g) for s, g in zip(labels, given[len(inputs):])]
         if (inputs, labels) != (self._inputs, self._labels):
             self._inputs, self._labels, self._specs_changed = inputs, labels, True
         return inputs + ([] if mode == "predict" else labels)
@@ -308,8 +339,8 @@ def _check_arguments(layer, loader, loss, optimizer, strategy, metrics) -> None:
         )
     if not callable(layer):
         raise TypeError(f"layer must be a callable that returns a paddle.nn.Layer, got {type(layer).__name__}")
-    if loader is not None:
-        raise TypeError("loader must be None (batches are passed to the DistModel call)")
+    if loader is not None and not isinstance(loader, ShardDataloader):
+        raise TypeError(f"loader must be a raydist.shard_dataloader(...) or None, got {type(loader).__name__}")
     if loss is not None and not callable(loss):
         raise TypeError(f"loss must be a paddle.nn.Layer or a callable, got {type(loss).__name__}")
     if isinstance(optimizer, paddle.optimizer.Optimizer) or (optimizer is not None and not callable(optimizer)):
@@ -403,15 +434,29 @@ def _to_arrays(args: Sequence[Any]) -> list[np.ndarray]:
     return out
 
 
-def _check_divides(spec: TensorSpec, array: np.ndarray) -> None:
+def _check_divides(spec: TensorSpec, shape: tuple[int, ...]) -> None:
     layout = spec.layout
     for d, m in enumerate(layout.dims_mapping):
-        if m >= 0 and array.shape[d] % layout.mesh.shape[m]:
+        if m >= 0 and shape[d] % layout.mesh.shape[m]:
             raise ValueError(
-                f"the global batch of {spec.name!r} has {array.shape[d]} rows along dim {d}, which does not "
+                f"the global batch of {spec.name!r} has {shape[d]} rows along dim {d}, which does not "
                 f"divide by the {layout.mesh.shape[m]} ranks of mesh dim {layout.mesh.dim_names[m]!r} "
                 "(the data-parallel degree)"
             )
+
+
+def _readers(plan) -> set[int]:
+    """The ranks whose results a step reads: one per distinct piece of each fetched value."""
+    return {r for layout in plan.layouts for r in layout.readers()}
+
+
+def _named(spec: TensorSpec, name: str) -> TensorSpec:
+    """An inferred spec: an array's gets a Paddle-style name, a loader's keeps its column name."""
+    return spec if spec.layout is not None else dataclasses.replace(spec, name=name)
+
+
+def _count_args(args) -> int:
+    return sum(_count_args(a) if isinstance(a, (list, tuple)) else 1 for a in args)
 
 
 def _key(layout: Layout, rank: int) -> tuple[int, ...]:

@@ -10,10 +10,12 @@ importing Paddle's rank-side pieces.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
 import socket
+import time
 import warnings
 
 import ray
@@ -28,6 +30,24 @@ QUIET_GLOG_LEVEL = "2"
 # Paddle warnings every rank repeats and no user can act on.
 NOISE = ("Tensor do not have 'place' interface",)
 NOISE_LOGS = ("is not built by `lazy init`",)
+# Key of a loader batch's time of reading, for the data-wait figures.
+READY = "__raydist_ready__"
+
+
+@dataclasses.dataclass
+class DataStats:
+    """What a rank's loader steps cost: seconds waiting for data, seconds stepping, rows."""
+
+    steps: int = 0
+    wait: float = 0.0
+    step: float = 0.0
+    rows: int = 0
+
+    def add(self, wait: float, step: float, rows: int) -> None:
+        self.steps += 1
+        self.wait += wait
+        self.step += step
+        self.rows += rows
 
 
 class RankActor:
@@ -37,6 +57,8 @@ class RankActor:
         self.rank = rank
         self.world_size = world_size
         self.runner = None
+        self.reader = None
+        self.data_stats = DataStats()
         self.device = "cpu"
 
     # -- placement and rendezvous -------------------------------------------------
@@ -134,13 +156,45 @@ class RankActor:
         return self.runner.set_mode(mode)
 
     def step(self, collect: bool, *arrays):
+        """A step on the local pieces of a batch the driver sent."""
         return self.runner.step(arrays, collect)
+
+    def step_batch(self, collect: bool, batch: dict, keys: list, sent_at: float):
+        """A step on a local batch a loader's reader stored (``batch``: its columns by key).
+
+        Counts how long the step waited for its data: from when the driver sent
+        it (``sent_at``) to when the reader had the batch, if later.
+        """
+        start = time.time()
+        out = self.runner.step([batch[k] for k in keys], collect)
+        self.data_stats.add(wait=max(0.0, batch[READY] - sent_at), step=time.time() - start,
+                            rows=len(batch[keys[0]]))  # fmt: skip
+        return out
+
+    # -- reading for a ShardDataloader: a thread of its own, beside the steps --------
+
+    @ray.method(concurrency_group="data")
+    def data_open(self, loader_id: int, epoch: int, source, batch_size: int, drop_last: bool, keys: list) -> None:
+        if self.reader is None:
+            from .reader import Reader
+
+            self.reader = Reader()
+        self.reader.open(loader_id, epoch, source, batch_size, drop_last, keys)
+
+    @ray.method(concurrency_group="data")
+    def data_next(self, loader_id: int, epoch: int) -> dict:
+        return self.reader.next(loader_id, epoch)
 
     def program(self, kind: str, mode: str | None) -> str:
         return self.runner.program(kind, mode)
 
     def state_dict(self, mode: str):
         return self.runner.state_dict(mode)
+
+    def take_data_stats(self) -> dict:
+        """The loader-step figures since the last call (and reset them)."""
+        stats, self.data_stats = self.data_stats, DataStats()
+        return dataclasses.asdict(stats)
 
     def status(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "device": self.device,

@@ -28,18 +28,23 @@ class TensorSpec:
     def complete(self) -> bool:
         return None not in self.shape and self.layout is not None
 
-    def check(self, array: np.ndarray, what: str) -> None:
-        """Raise a clear error unless ``array`` fits this spec."""
-        if array.dtype != np.dtype(self.dtype):
-            raise TypeError(f"{what} {self.name!r} has dtype {array.dtype}, the model takes {self.dtype}")
-        if len(array.shape) != len(self.shape) or any(
-            s is not None and s != a for s, a in zip(self.shape, array.shape)
+    def check(self, given: "TensorSpec", what: str) -> None:
+        """Raise a clear error unless what is ``given`` (an array's or a loader's spec) fits this spec."""
+        if np.dtype(given.dtype) != np.dtype(self.dtype):
+            raise TypeError(f"{what} {self.name!r} has dtype {given.dtype}, the model takes {self.dtype}")
+        if len(given.shape) != len(self.shape) or any(
+            s is not None and s != a for s, a in zip(self.shape, given.shape)
         ):
             shape = ", ".join("?" if s is None else str(s) for s in self.shape)
-            raise ValueError(f"{what} {self.name!r} has shape {array.shape}, the model takes ({shape})")
+            raise ValueError(f"{what} {self.name!r} has shape {given.shape}, the model takes ({shape})")
+        if given.layout is not None and self.layout is not None and given.layout != self.layout:
+            raise ValueError(
+                f"{what} {self.name!r} is split over the ranks as {given.layout}, the model reads it as "
+                f"{self.layout}: give the loader the model's mesh and shard_dims"
+            )
 
-    def resolved(self, array: np.ndarray | None = None, layout: Layout | None = None) -> "TensorSpec":
-        shape = self.shape if array is None else tuple(a if s is None else s for s, a in zip(self.shape, array.shape))
+    def resolved(self, given: "TensorSpec | None" = None, layout: Layout | None = None) -> "TensorSpec":
+        shape = self.shape if given is None else tuple(a if s is None else s for s, a in zip(self.shape, given.shape))
         return dataclasses.replace(self, shape=shape, layout=self.layout or layout)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from raydist.env import RankPlace, paddle_env
-from raydist.specs import TensorSpec
+from raydist.specs import TensorSpec, spec_of
 from raydist.topology import Layout, Mesh, data_layout
 
 MESH = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
@@ -73,12 +73,15 @@ def test_gpu_environment_shares_the_node_gpus_in_id_order():
 
 def test_spec_checks():
     spec = TensorSpec("x", (None, 3), "float32")
-    spec.check(np.zeros((5, 3), np.float32), "input")
+    spec.check(spec_of(np.zeros((5, 3), np.float32), "a"), "input")
     with pytest.raises(TypeError, match="dtype"):
-        spec.check(np.zeros((5, 3)), "input")
+        spec.check(spec_of(np.zeros((5, 3)), "a"), "input")
     with pytest.raises(ValueError, match=r"\(\?, 3\)"):
-        spec.check(np.zeros((5, 4), np.float32), "input")
-    assert spec.resolved(np.zeros((5, 3), np.float32)).shape == (5, 3)
+        spec.check(spec_of(np.zeros((5, 4), np.float32), "a"), "input")
+    assert spec.resolved(spec_of(np.zeros((5, 3), np.float32), "a")).shape == (5, 3)
+    laid = spec.resolved(layout=data_layout(MESH, "dp", 2))
+    with pytest.raises(ValueError, match="split over the ranks"):
+        laid.check(TensorSpec("x", (4, 3), "float32", data_layout(MESH, None, 2)), "input")
 
 
 def test_driver_imports_no_rank_code():

@@ -1,0 +1,420 @@
+"""Sharded data loaders: a dataset split per data-parallel group, read by the ranks.
+
+``raydist.shard_dataloader`` is Paddle's ``shard_dataloader`` for Ray. The
+driver iterates the loader as in Paddle, but what it gets are `Handle`s, not
+data: one rank per data-parallel group (the group's *reader*) reads that
+group's split of the dataset and stores each local batch once in Ray's object
+store; every rank of the group is handed the same object reference. Data goes
+from storage to the ranks without passing through the driver.
+
+- A ``ray.data.Dataset`` is split with ``streaming_split(dp, equal=True)``,
+  with ``preserve_order`` on, so the split is the same in every run (a new
+  split per epoch; with ``shuffle`` a ``random_shuffle(seed + epoch)`` first).
+- A picklable ``paddle.io.Dataset`` is read by each reader through Paddle's
+  ``DistributedBatchSampler``, as ``paddle.distributed.shard_dataloader`` does.
+
+Every split holds the same number of rows, so every epoch ends at the same
+step on every rank, and the driver knows that step in advance (`len`).
+Readers run a step or more ahead of the model (``prefetch``), in a thread of
+their own, while the current step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .specs import TensorSpec
+from .topology import Mesh, data_layout
+
+_ids = itertools.count()
+
+# numpy kinds/dtypes Paddle has no tensor type for
+_BAD_KINDS = {"O": "object", "S": "bytes", "U": "str", "V": "void", "M": "datetime", "m": "timedelta"}
+_BAD_DTYPES = {np.dtype("uint16"), np.dtype("uint32"), np.dtype("uint64")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """Stands for one column of one local batch that the ranks read themselves.
+
+    Pass handles to a `raydist.DistModel` call as you would tensors.
+    """
+
+    loader: "ShardDataloader" = dataclasses.field(repr=False, compare=False)
+    epoch: int
+    step: int
+    key: str | int
+
+    def __repr__(self) -> str:
+        return f"raydist.Handle(epoch={self.epoch}, step={self.step}, key={self.key!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One column of the rows: its key, per-row shape and dtype."""
+
+    key: str | int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+class ShardDataloader:
+    """Paddle's ``ShardDataloader`` over a Ray Dataset (see `shard_dataloader`)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        meshes: Any,
+        input_keys: Sequence[str] | None = None,
+        shard_dims: Any = None,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        seed: int | None = None,
+        drop_last: bool = True,
+        prefetch: int = 2,
+    ) -> None:
+        self.meshes = [_as_mesh(m) for m in (meshes if isinstance(meshes, (list, tuple)) else [meshes])]
+        if not self.meshes:
+            raise ValueError("meshes must name at least one ProcessMesh")
+        dims = shard_dims if isinstance(shard_dims, (list, tuple)) else [shard_dims] * len(self.meshes)
+        if len(dims) != len(self.meshes):
+            raise ValueError(f"shard_dims must have one entry per mesh: {len(dims)} != {len(self.meshes)}")
+        self.shard_dims = [_dim_name(m, d) for m, d in zip(self.meshes, dims)]
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int (the global batch), got {batch_size!r}")
+        self.layout = data_layout(self.meshes[0], self.shard_dims[0], 1)
+        self.dp = len(self.layout.holders())
+        for mesh, dim in zip(self.meshes[1:], self.shard_dims[1:]):
+            if len(data_layout(mesh, dim, 1).holders()) != self.dp:
+                raise ValueError("every mesh must split the data into the same number of data-parallel groups")
+        if batch_size % self.dp:
+            raise ValueError(
+                f"batch_size {batch_size} (the global batch) does not divide by the {self.dp} data-parallel groups"
+            )
+        self.batch_size = batch_size
+        self.local_batch_size = batch_size // self.dp
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+        self.prefetch = prefetch
+        self._source = _source(dataset)
+        fields = {f.key: f for f in self._source.fields()}
+        keys = list(input_keys) if input_keys is not None else list(fields)
+        missing = [k for k in keys if k not in fields]
+        if missing:
+            raise ValueError(f"input_keys {missing} are not columns of the dataset (it has {list(fields)})")
+        for k in keys:
+            _check_dtype(fields[k])
+        self.fields = [fields[k] for k in keys]
+        self.dict_rows = self._source.dict_rows
+        self._id = next(_ids)
+        self._rows: int | None = None
+        self._group = None  # the RankGroup whose ranks read (set by the DistModel)
+        self._epoch: _Epoch | None = None
+        self._epochs = itertools.count()
+
+    # -- what Paddle's loader offers ----------------------------------------------
+
+    def __call__(self) -> Iterator:
+        """Start a new epoch (as ``iter(loader)``)."""
+        return self.__iter__()
+
+    def __iter__(self) -> Iterator:
+        if len(self) == 0:
+            raise ValueError(
+                f"the dataset has {self.rows()} rows: fewer than one global batch of {self.batch_size} "
+                f"({self.dp} data-parallel groups of {self.local_batch_size})"
+            )
+        self._epoch = _Epoch(self, next(self._epochs))
+        return self._epoch
+
+    def __len__(self) -> int:
+        """Steps per epoch (every data-parallel group takes the same number)."""
+        per_group = self._source.rows_per_group(self.rows(), self.dp)
+        if self.drop_last:
+            return per_group // self.local_batch_size
+        return math.ceil(per_group / self.local_batch_size)
+
+    def rows(self) -> int:
+        """Rows in the dataset (counted once; may run a Ray Data pipeline)."""
+        if self._rows is None:
+            self._rows = self._source.count()
+        return self._rows
+
+    # -- for the DistModel ----------------------------------------------------------
+
+    def specs(self) -> list[TensorSpec]:
+        """The global spec of each key: the last goes to the last mesh (labels), the rest to the first."""
+        out = []
+        for i, f in enumerate(self.fields):
+            mesh_index = -1 if (i == len(self.fields) - 1 and len(self.fields) > 1) else 0
+            layout = data_layout(self.meshes[mesh_index], self.shard_dims[mesh_index], 1 + len(f.shape))
+            out.append(TensorSpec(str(f.key), (self.batch_size, *f.shape), str(f.dtype), layout))
+        return out
+
+    def bind(self, group) -> None:
+        """Read with ``group``'s ranks from now on (the next epoch)."""
+        if self._group is not group:
+            self._group = group
+            if self._epoch is not None:
+                self._epoch.opened = False
+
+    def rank_refs(self, handle: Handle) -> list:
+        """Per rank, the reference of the batch ``handle`` stands for."""
+        epoch = self._epoch
+        if epoch is None or handle.epoch != epoch.number:
+            raise ValueError(f"{handle!r} belongs to a finished epoch: start a new one with loader()")
+        return epoch.rank_refs(handle.step)
+
+    def readers(self) -> list[int]:
+        """One rank per data-parallel group: the group's first rank in the first mesh."""
+        return self.layout.readers()
+
+    def reader_of(self, rank: int) -> int:
+        """Index (into `readers`) of the group whose batches ``rank`` reads."""
+        for mesh, dim in zip(self.meshes, self.shard_dims):
+            if rank in mesh:
+                layout = data_layout(mesh, dim, 1)
+                return list(layout.holders()).index(layout.key(rank))
+        return 0  # a rank outside every mesh reads nothing; give it group 0's batch
+
+
+class _Epoch:
+    """One pass over the data: yields handles, asks the readers for batches ahead."""
+
+    def __init__(self, loader: ShardDataloader, number: int):
+        self.loader = loader
+        self.number = number
+        self.steps = len(loader)
+        self.step = 0
+        self.opened = False
+        self._requested: dict[int, list] = {}  # step -> one ref per reader
+        self._next_request = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.step >= self.steps:
+            raise StopIteration
+        step, self.step = self.step, self.step + 1
+        if self.opened:
+            self._request(step + self.loader.prefetch)
+        handles = [Handle(self.loader, self.number, step, f.key) for f in self.loader.fields]
+        if self.loader.dict_rows:
+            return {h.key: h for h in handles}
+        return handles
+
+    def _open(self) -> None:
+        loader, group = self.loader, self.loader._group
+        if group is None:
+            raise RuntimeError("the loader is not bound to a DistModel")
+        sources = loader._source.splits(loader, self.number)
+        for reader, source in zip(loader.readers(), sources):
+            group.actors[reader].data_open.remote(loader._id, self.number, source, loader.local_batch_size,
+                                                  loader.drop_last, [f.key for f in loader.fields])  # fmt: skip
+        self.opened = True
+        self._requested.clear()
+        self._next_request = 0
+
+    def _request(self, upto: int) -> None:
+        """Ask every reader for its batches up to step ``upto`` (exclusive), in order."""
+        group = self.loader._group
+        upto = min(upto, self.steps)
+        while self._next_request < upto:
+            self._requested[self._next_request] = [
+                group.actors[r].data_next.remote(self.loader._id, self.number) for r in self.loader.readers()
+            ]
+            self._next_request += 1
+
+    def rank_refs(self, step: int) -> list:
+        if not self.opened:
+            if step != 0:
+                raise ValueError("a new loader must be read from its first step: start an epoch with loader()")
+            self._open()
+        self._request(max(step + 1, self.step) + self.loader.prefetch)
+        if step not in self._requested:
+            raise ValueError(f"step {step} of epoch {self.number} was already read (each batch is read once)")
+        per_reader = self._requested.pop(step)
+        loader = self.loader
+        return [per_reader[loader.reader_of(rank)] for rank in range(len(loader._group))]
+
+
+# -- sources --------------------------------------------------------------------------
+
+
+class _RaySource:
+    dict_rows = True
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def fields(self) -> list[Field]:
+        schema = self.dataset.schema()
+        if schema is None:
+            raise ValueError("the dataset has no schema (is it empty?)")
+        out = []
+        for name, typ in zip(schema.names, schema.types):
+            shape = tuple(getattr(typ, "shape", None) or ())  # Ray's tensor columns: the per-row shape
+            scalar = getattr(typ, "value_type", typ)  # their element type
+            out.append(Field(name, shape, _np_dtype(scalar)))
+        return out
+
+    def count(self) -> int:
+        meta = getattr(self.dataset, "_meta_count", lambda: None)()
+        return int(meta if meta is not None else self.dataset.count())
+
+    @staticmethod
+    def rows_per_group(rows: int, dp: int) -> int:
+        return rows // dp  # streaming_split(equal=True) drops the remainder
+
+    def splits(self, loader: ShardDataloader, epoch: int) -> list:
+        from ray.data import Dataset
+
+        ds = self.dataset
+        if loader.shuffle:
+            ds = ds.random_shuffle(seed=None if loader.seed is None else loader.seed + epoch)
+        ds = Dataset.copy(ds, _deep_copy=True)  # leave the user's dataset's context alone
+        ds.context.execution_options.preserve_order = True  # the same split in every run
+        ds.context.enable_progress_bars = False  # the training loop has its own
+        return ds.streaming_split(loader.dp, equal=True)
+
+
+class _PaddleSource:
+    def __init__(self, dataset):
+        import ray
+
+        self.dataset = dataset
+        sample = dataset[0]
+        self.dict_rows = isinstance(sample, dict)
+        self.sample = sample
+        self.ref = None
+        self._ray = ray
+
+    def fields(self) -> list[Field]:
+        items = self.sample.items() if self.dict_rows else enumerate(_as_tuple(self.sample))
+        return [Field(k, np.shape(v), np.asarray(v).dtype) for k, v in items]
+
+    def count(self) -> int:
+        return len(self.dataset)
+
+    @staticmethod
+    def rows_per_group(rows: int, dp: int) -> int:
+        return math.ceil(rows / dp)  # DistributedBatchSampler pads with repeated samples
+
+    def splits(self, loader: ShardDataloader, epoch: int) -> list:
+        if self.ref is None:
+            self.ref = self._ray.put(self.dataset)
+        sampler = dict(shuffle=loader.shuffle, epoch=epoch + (loader.seed or 0), num_replicas=loader.dp)
+        return [("paddle", self.ref, dict(sampler, rank=g)) for g in range(loader.dp)]
+
+
+def _source(dataset):
+    import ray.data
+
+    if isinstance(dataset, ray.data.Dataset):
+        return _RaySource(dataset)
+    import paddle
+
+    if isinstance(dataset, paddle.io.IterableDataset):
+        raise TypeError("iterable paddle datasets have no length to split; use a ray.data.Dataset")
+    if isinstance(dataset, paddle.io.Dataset):
+        from ray import cloudpickle
+
+        try:
+            cloudpickle.dumps(dataset)
+        except Exception as e:
+            raise TypeError(f"the paddle.io.Dataset cannot be pickled for the ranks: {e}") from e
+        return _PaddleSource(dataset)
+    raise TypeError(f"dataset must be a ray.data.Dataset or a paddle.io.Dataset, got {type(dataset).__name__}")
+
+
+def _as_tuple(sample):
+    return sample if isinstance(sample, (list, tuple)) else (sample,)
+
+
+def _np_dtype(arrow_type) -> np.dtype:
+    try:
+        return np.dtype(arrow_type.to_pandas_dtype())
+    except (AttributeError, TypeError, NotImplementedError):
+        return np.dtype(object)
+
+
+def _check_dtype(field: Field) -> None:
+    kind = _BAD_KINDS.get(field.dtype.kind)
+    if kind or field.dtype in _BAD_DTYPES:
+        raise TypeError(
+            f"column {field.key!r} has dtype {field.dtype} ({kind or 'unsigned'}), which Paddle has no tensor for: "
+            "convert it in the dataset (e.g. with map_batches) first"
+        )
+
+
+def _as_mesh(mesh) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    try:
+        return Mesh(tuple(mesh.shape), tuple(mesh.process_ids), tuple(mesh.dim_names))
+    except AttributeError:
+        raise TypeError(f"meshes must be paddle.distributed.ProcessMesh objects, got {type(mesh).__name__}") from None
+
+
+def _dim_name(mesh: Mesh, dim) -> str | None:
+    if dim is None or isinstance(dim, str):
+        if dim is not None and dim not in mesh.dim_names:
+            raise ValueError(f"shard_dims {dim!r} is not a dim of the mesh {list(mesh.dim_names)}")
+        return dim
+    if isinstance(dim, int) and 0 <= dim < len(mesh.dim_names):
+        return mesh.dim_names[dim]
+    raise ValueError(f"shard_dims must be a mesh dim name or index, got {dim!r}")
+
+
+def shard_dataloader(
+    dataset: Any,
+    meshes: Any,
+    input_keys: Sequence[str] | None = None,
+    shard_dims: Any = None,
+    batch_size: int = 1,
+    shuffle: bool = False,
+    seed: int | None = None,
+    drop_last: bool = True,
+    prefetch: int = 2,
+) -> ShardDataloader:
+    """Paddle's ``shard_dataloader``, fed by Ray: each data-parallel group reads its split.
+
+    Args:
+        dataset: a ``ray.data.Dataset`` (any source or pipeline Ray Data reads:
+            parquet, CSV, numpy, images, ``map_batches``...) or a picklable
+            ``paddle.io.Dataset``.
+        meshes: the ``ProcessMesh`` (or one per pipeline stage: the first gets
+            the inputs, the last the labels).
+        input_keys: the columns to feed, in order (default: all); the last is
+            the label.
+        shard_dims: the mesh dim (name or index) along which batches are split
+            across data-parallel groups; None: every rank reads every row.
+        batch_size: the GLOBAL batch size (split evenly over the groups).
+        shuffle, seed: reshuffle every epoch, reproducibly with ``seed``.
+        drop_last: drop the last incomplete batch of an epoch.
+        prefetch: how many batches each reader reads ahead.
+
+    Iterate ``loader()`` (or ``loader``) for an epoch, and pass what it yields
+    to the DistModel: ``for batch in loader(): dm(batch["x"], batch["y"])``.
+    """
+    return ShardDataloader(dataset, meshes, input_keys, shard_dims, batch_size, shuffle, seed, drop_last, prefetch)
+
+
+def handles_in(args) -> list[Handle]:
+    """The `Handle`s among call arguments (lists flattened)."""
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(handles_in(a))
+        elif isinstance(a, Handle):
+            out.append(a)
+    return out
+

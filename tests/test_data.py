@@ -1,0 +1,180 @@
+"""raydist.shard_dataloader: every row once, mp peers alike, same numbers as one process."""
+
+import time
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import pytest
+import ray
+
+import raydist
+from models import IN, OUT, Reference, assert_close, build, sgd
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
+
+N = 70  # rows: 35 per dp group, 8 steps of 4 per group, 3 rows of each group dropped
+MESH = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+
+
+def rows(n=N):
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(n, IN).astype("float32"), rng.randn(n, OUT).astype("float32")
+    return x, y
+
+
+def dataset(n=N, blocks=5):
+    x, y = rows(n)
+    items = [{"id": i, "x": x[i], "y": y[i], "tag": i + np.arange(4, dtype="float32") / 4} for i in range(n)]
+    return ray.data.from_items(items, override_num_blocks=blocks)
+
+
+class Tagger(paddle.nn.Layer):
+    """Predicts its input ("tag" = id + [0, .25, .5, .75]) with columns sharded over mp.
+
+    Each mp rank computes the output columns of the rows IT read, so the
+    assembled output shows whether the mp peers of a dp group read the same rows.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(4, 4)
+        self.fc.weight.set_value(np.eye(4, dtype="float32"))
+        self.fc.bias.set_value(np.zeros(4, "float32"))
+        mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+        self.fc.weight = dist.shard_tensor(self.fc.weight, mesh, [dist.Replicate(), dist.Shard(1)])
+
+    def forward(self, tag):
+        return self.fc(tag)
+
+
+@pytest.fixture(scope="module")
+def tagger():
+    with raydist.to_static(Tagger, num_workers=4) as dm:
+        yield dm
+
+
+def epoch_ids(dm, loader, stop=None):
+    """The row ids of each global batch of one epoch, as the ranks read them."""
+    out = []
+    for step, batch in enumerate(loader()):
+        if step == stop:
+            break
+        tags = dm(batch["tag"])
+        assert_close(tags - tags[:, :1], np.tile(np.arange(4) / 4, (len(tags), 1)), what="mp peers disagree")
+        out.append(tags[:, 0].round().astype(int).tolist())
+    return out
+
+
+def test_every_row_once_and_mp_peers_alike(tagger):
+    loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
+    assert len(loader) == 8 and loader.local_batch_size == 4
+    batches = epoch_ids(tagger, loader)
+    assert len(batches) == 8 and all(len(b) == 8 for b in batches)
+    seen = [i for b in batches for i in b]
+    assert len(set(seen)) == len(seen) == 64  # no row twice
+    assert set(seen) <= set(range(N))
+    groups = [{i for b in batches for i in b[:4]}, {i for b in batches for i in b[4:]}]
+    assert not groups[0] & groups[1]  # each dp group has its own split
+    assert epoch_ids(tagger, loader) == batches  # no shuffle: the next epoch, the same batches
+
+
+def test_break_then_new_epoch_and_shuffle_with_seed(tagger):
+    loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8,
+                                      shuffle=True, seed=5)  # fmt: skip
+    first = epoch_ids(tagger, loader, stop=3)  # an early break
+    second = epoch_ids(tagger, loader)
+    third = epoch_ids(tagger, loader)
+    assert len(first) == 3 and len(second) == len(third) == 8
+    assert second != third  # reshuffled every epoch
+    for epoch in (second, third):
+        seen = [i for b in epoch for i in b]
+        assert len(set(seen)) == len(seen) == 64
+    again = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8,
+                                     shuffle=True, seed=5)  # fmt: skip
+    assert epoch_ids(tagger, again)[:3] == first  # reproducible, epoch by epoch
+    assert epoch_ids(tagger, again) == second and epoch_ids(tagger, again) == third
+
+
+def test_training_through_the_loader_matches_single_process(tagger):
+    loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["x", "y"], shard_dims="dp", batch_size=8)
+    probe = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
+    order = epoch_ids(tagger, probe)  # the global batches, in order (the split is deterministic)
+    x, y = rows()
+    ref = Reference(sgd())
+    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4) as dm:
+        for epoch in range(2):
+            for step, batch in enumerate(loader()):
+                ids = order[step]
+                assert_close(dm(batch["x"], batch["y"]), ref.train(x[ids], y[ids]), what=f"epoch {epoch} step {step}")
+        dm.eval()
+        batch = next(iter(loader()))
+        assert_close(dm(batch["x"], batch["y"]), ref.eval(x[order[0]], y[order[0]]))
+        params = dm.state_dict("param")
+    for name, value in ref.params().items():
+        assert_close(params[name], value, what=name)
+
+
+class Pairs(paddle.io.Dataset):
+    """Tuple rows (x, y), as paddle.io.Dataset users write them."""
+
+    def __init__(self, n):
+        self.x, self.y = rows(n)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def __len__(self):
+        return len(self.x)
+
+
+def test_paddle_dataset_reads_like_paddles_distributed_sampler():
+    data = Pairs(40)
+    loader = raydist.shard_dataloader(data, MESH, shard_dims="dp", batch_size=8)
+    assert len(loader) == 5
+    sampler = [paddle.io.DistributedBatchSampler(data, 4, num_replicas=2, rank=g) for g in range(2)]
+    ref = Reference(sgd())
+    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4) as dm:
+        for step, (batch, i0, i1) in enumerate(zip(loader(), *sampler)):
+            assert isinstance(batch, list) and len(batch) == 2
+            ids = list(i0) + list(i1)
+            assert_close(dm(*batch), ref.train(data.x[ids], data.y[ids]), what=f"step {step}")
+
+
+def test_driver_batches_and_loader_batches_mix(tagger):
+    """A model built from driver batches takes loader handles of the same layout, and back."""
+    loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
+    tags = np.arange(32, dtype="float32").reshape(8, 4)
+    assert_close(tagger(tags), tags)
+    assert len(epoch_ids(tagger, loader)) == 8
+    assert_close(tagger(tags * 2), tags * 2)
+
+
+def test_bad_loaders_fail_at_the_driver():
+    ds = dataset()
+    with pytest.raises(ValueError, match=r"input_keys \['z'\]"):
+        raydist.shard_dataloader(ds, MESH, input_keys=["x", "z"], shard_dims="dp", batch_size=8)
+    with pytest.raises(ValueError, match="does not divide by the 2 data-parallel groups"):
+        raydist.shard_dataloader(ds, MESH, input_keys=["x"], shard_dims="dp", batch_size=7)
+    with pytest.raises(ValueError, match="not a dim of the mesh"):
+        raydist.shard_dataloader(ds, MESH, input_keys=["x"], shard_dims="pp", batch_size=8)
+    named = ds.map(lambda r: {**r, "name": f"row{r['id']}"})
+    with pytest.raises(TypeError, match="'name' has dtype object"):
+        raydist.shard_dataloader(named, MESH, input_keys=["x", "name"], shard_dims="dp", batch_size=8)
+    small = raydist.shard_dataloader(dataset(6), MESH, input_keys=["x"], shard_dims="dp", batch_size=8)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        iter(small())
+    with pytest.raises(TypeError, match="ray.data.Dataset or a paddle.io.Dataset"):
+        raydist.shard_dataloader([1, 2, 3], MESH, batch_size=2)
+
+
+def test_handles_from_another_epoch_are_refused(tagger):
+    loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
+    old = next(iter(loader()))
+    tagger(old["tag"])
+    epoch = loader()
+    next(epoch)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="finished epoch"):
+        tagger(old["tag"])
+    assert time.monotonic() - start < 5
