@@ -15,8 +15,9 @@ from storage to the ranks without passing through the driver.
 
 Every split holds the same number of rows, so every epoch ends at the same
 step on every rank, and the driver knows that step in advance (`len`).
-Readers run a step or more ahead of the model (``prefetch``), in a thread of
-their own, while the current step runs.
+Readers read up to ``prefetch`` steps ahead of the model, in a thread of
+their own, while the current step runs; the driver sends them nothing per
+step (see `raydist.reader`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from . import pickling
 from .specs import TensorSpec
 from .topology import Mesh, data_layout
 
@@ -159,22 +161,28 @@ class ShardDataloader:
         return out
 
     def bind(self, group) -> None:
-        """Read with ``group``'s ranks from now on (the next epoch)."""
+        """Read with ``group``'s ranks from now on (from the next epoch)."""
         if self._group is not group:
+            if self._group is not None:
+                self._epoch = None  # its readers were the other group's ranks
             self._group = group
-            if self._epoch is not None:
-                self._epoch.opened = False
 
-    def rank_refs(self, handle: Handle) -> list:
-        """Per rank, the reference of the batch ``handle`` stands for."""
+    def take(self, handle: Handle) -> None:
+        """A DistModel call consumes the batch ``handle`` stands for (the epoch's next)."""
         epoch = self._epoch
         if epoch is None or handle.epoch != epoch.number:
             raise ValueError(f"{handle!r} belongs to a finished epoch: start a new one with loader()")
-        return epoch.rank_refs(handle.step)
+        if self._group is None:
+            raise RuntimeError("the loader is not bound to a DistModel")
+        epoch.take(handle.step)
 
     def readers(self) -> list[int]:
         """One rank per data-parallel group: the group's first rank in the first mesh."""
         return self.layout.readers()
+
+    def members(self, group: int, world_size: int) -> list[int]:
+        """The ranks that read group ``group``'s batches."""
+        return [r for r in range(world_size) if self.reader_of(r) == group]
 
     def reader_of(self, rank: int) -> int:
         """Index (into `readers`) of the group whose batches ``rank`` reads."""
@@ -186,16 +194,15 @@ class ShardDataloader:
 
 
 class _Epoch:
-    """One pass over the data: yields handles, asks the readers for batches ahead."""
+    """One pass over the data: yields handles; the readers read ahead on their own."""
 
     def __init__(self, loader: ShardDataloader, number: int):
         self.loader = loader
         self.number = number
         self.steps = len(loader)
-        self.step = 0
+        self.step = 0  # the next step to yield
+        self.taken = 0  # the next step a DistModel call may take
         self.opened = False
-        self._requested: dict[int, list] = {}  # step -> one ref per reader
-        self._next_request = 0
 
     def __iter__(self):
         return self
@@ -204,46 +211,33 @@ class _Epoch:
         if self.step >= self.steps:
             raise StopIteration
         step, self.step = self.step, self.step + 1
-        if self.opened:
-            self._request(step + self.loader.prefetch)
         handles = [Handle(self.loader, self.number, step, f.key) for f in self.loader.fields]
         if self.loader.dict_rows:
             return {h.key: h for h in handles}
         return handles
 
+    def take(self, step: int) -> None:
+        """A DistModel call is about to consume ``step``: the readers must be reading."""
+        if step != self.taken:
+            raise ValueError(
+                f"step {step} of the epoch comes out of order (the next is {self.taken}): "
+                "pass each batch to the DistModel once, in order"
+            )
+        if not self.opened:
+            self._open()
+        self.taken += 1
+
     def _open(self) -> None:
         loader, group = self.loader, self.loader._group
-        if group is None:
-            raise RuntimeError("the loader is not bound to a DistModel")
         sources = loader._source.splits(loader, self.number)
-        for reader, source in zip(loader.readers(), sources):
-            group.actors[reader].data_open.remote(loader._id, self.number, source, loader.local_batch_size,
-                                                  loader.drop_last, [f.key for f in loader.fields])  # fmt: skip
+        keys = [f.key for f in loader.fields]
+        for g, (reader, source) in enumerate(zip(loader.readers(), sources)):
+            members = [None if r == reader else group.actors[r] for r in loader.members(g, len(group))]
+            group.actors[reader].data_open.remote(
+                loader._id, self.number, self.steps, source, loader.local_batch_size, loader.drop_last, keys,
+                members, loader.prefetch,
+            )  # fmt: skip
         self.opened = True
-        self._requested.clear()
-        self._next_request = 0
-
-    def _request(self, upto: int) -> None:
-        """Ask every reader for its batches up to step ``upto`` (exclusive), in order."""
-        group = self.loader._group
-        upto = min(upto, self.steps)
-        while self._next_request < upto:
-            self._requested[self._next_request] = [
-                group.actors[r].data_next.remote(self.loader._id, self.number) for r in self.loader.readers()
-            ]
-            self._next_request += 1
-
-    def rank_refs(self, step: int) -> list:
-        if not self.opened:
-            if step != 0:
-                raise ValueError("a new loader must be read from its first step: start an epoch with loader()")
-            self._open()
-        self._request(max(step + 1, self.step) + self.loader.prefetch)
-        if step not in self._requested:
-            raise ValueError(f"step {step} of epoch {self.number} was already read (each batch is read once)")
-        per_reader = self._requested.pop(step)
-        loader = self.loader
-        return [per_reader[loader.reader_of(rank)] for rank in range(len(loader._group))]
 
 
 # -- sources --------------------------------------------------------------------------
@@ -287,15 +281,12 @@ class _RaySource:
 
 
 class _PaddleSource:
-    def __init__(self, dataset):
-        import ray
-
+    def __init__(self, dataset, pickled: bytes):
         self.dataset = dataset
-        sample = dataset[0]
-        self.dict_rows = isinstance(sample, dict)
-        self.sample = sample
+        self.sample = dataset[0]
+        self.dict_rows = isinstance(self.sample, dict)
+        self.pickled = pickled
         self.ref = None
-        self._ray = ray
 
     def fields(self) -> list[Field]:
         items = self.sample.items() if self.dict_rows else enumerate(_as_tuple(self.sample))
@@ -310,7 +301,9 @@ class _PaddleSource:
 
     def splits(self, loader: ShardDataloader, epoch: int) -> list:
         if self.ref is None:
-            self.ref = self._ray.put(self.dataset)
+            import ray
+
+            self.ref = ray.put(self.pickled)  # once, for every reader and epoch
         sampler = dict(shuffle=loader.shuffle, epoch=epoch + (loader.seed or 0), num_replicas=loader.dp)
         return [("paddle", self.ref, dict(sampler, rank=g)) for g in range(loader.dp)]
 
@@ -325,13 +318,7 @@ def _source(dataset):
     if isinstance(dataset, paddle.io.IterableDataset):
         raise TypeError("iterable paddle datasets have no length to split; use a ray.data.Dataset")
     if isinstance(dataset, paddle.io.Dataset):
-        from ray import cloudpickle
-
-        try:
-            cloudpickle.dumps(dataset)
-        except Exception as e:
-            raise TypeError(f"the paddle.io.Dataset cannot be pickled for the ranks: {e}") from e
-        return _PaddleSource(dataset)
+        return _PaddleSource(dataset, pickling.dumps(dataset, "the paddle.io.Dataset"))
     raise TypeError(f"dataset must be a ray.data.Dataset or a paddle.io.Dataset, got {type(dataset).__name__}")
 
 

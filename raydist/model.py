@@ -5,16 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import ray
-from ray import cloudpickle
 
+from . import pickling
 from .data import Handle, ShardDataloader, handles_in
 from .group import GroupConfig, RankGroup
 from .specs import TensorSpec, from_input_spec, spec_of
@@ -84,7 +82,8 @@ class DistModel:
             specs = loader.specs()
             inputs, labels = (specs[:-1], specs[-1:]) if len(specs) > 1 else (specs, None)
         num_workers = _num_workers(num_workers, (inputs or []) + (labels or []))
-        payload = _pickle((layer, loss, optimizer, strategy, list(metrics or [])))
+        payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
+                                 "the layer builder, loss, optimizer or strategy")
 
         self._loss, self._optimizer = loss is not None, optimizer is not None
         self._shard_dims = shard_dims
@@ -199,10 +198,9 @@ class DistModel:
         plan = self._plans[self._mode]
         readers = _readers(plan)
         keys = [h.key for h in handles]
-        refs = loader.rank_refs(first)
-        sent_at = time.time()
-        args_per_rank = [(rank in readers, refs[rank], keys, sent_at) for rank in range(len(self._group))]
-        return self._results(plan, self._group.gather(self._group.each("step_batch", args_per_rank), "step"))
+        loader.take(first)
+        args = [(rank in readers, loader._id, first.epoch, first.step, keys) for rank in range(len(self._group))]
+        return self._results(plan, self._group.gather(self._group.each("step_batch", args), "step"))
 
     def _results(self, plan, results: list) -> Any:
         values = [
@@ -371,37 +369,6 @@ def _num_workers(num_workers: int | None, specs: list[TensorSpec]) -> int:
             f"input_spec's mesh uses processes up to {max(spec_ranks)}, but num_workers={num_workers}"
         )
     return num_workers
-
-
-def _pickle(obj) -> bytes:
-    """Pickle what the ranks need; user code from local modules travels by value."""
-    for item in _walk(obj):
-        module = sys.modules.get(getattr(item, "__module__", None) or "")
-        if module is not None and _is_local(module):
-            cloudpickle.register_pickle_by_value(module)
-    try:
-        return cloudpickle.dumps(obj)
-    except Exception as e:
-        raise TypeError(f"the layer builder, loss, optimizer or strategy cannot be pickled for the ranks: {e}") from e
-
-
-def _walk(obj):
-    yield obj
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _walk(item)
-    else:
-        yield type(obj)
-
-
-def _is_local(module) -> bool:
-    """A module of the user's own (not installed), which remote workers may not import."""
-    path = getattr(module, "__file__", None)
-    if path is None or module.__name__ == "__main__" or module.__name__.split(".")[0] in ("raydist", "paddle"):
-        return False
-    installed = {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-    installed.add(os.path.dirname(os.__file__))
-    return not any(os.path.abspath(path).startswith(os.path.abspath(p) + os.sep) for p in installed)
 
 
 def _init_ray(num_workers: int, resources_per_rank, use_gpu: bool) -> None:

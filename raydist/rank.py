@@ -19,8 +19,8 @@ import time
 import warnings
 
 import ray
-from ray import cloudpickle
 
+from . import pickling
 from .env import RankPlace
 from .errors import UsageError
 
@@ -30,8 +30,9 @@ QUIET_GLOG_LEVEL = "2"
 # Paddle warnings every rank repeats and no user can act on.
 NOISE = ("Tensor do not have 'place' interface",)
 NOISE_LOGS = ("is not built by `lazy init`",)
-# Key of a loader batch's time of reading, for the data-wait figures.
-READY = "__raydist_ready__"
+# How long a step waits for its loader batch before giving up (a reader that
+# fails tells its group at once).
+DATA_TIMEOUT_S = 600.0
 
 
 @dataclasses.dataclass
@@ -58,6 +59,7 @@ class RankActor:
         self.world_size = world_size
         self.runner = None
         self.reader = None
+        self.staging = None
         self.data_stats = DataStats()
         self.device = "cpu"
 
@@ -113,6 +115,10 @@ class RankActor:
             paddle.set_device("cpu")
         with quiet:  # init_parallel_env lists every non-default FLAG on stderr
             dist.init_parallel_env()
+        from .reader import Staging
+
+        place = paddle.CUDAPlace(int(env["FLAGS_selected_gpus"])) if use_gpu else paddle.CPUPlace()
+        self.staging = Staging(place)
         return fixes
 
     # -- the model ---------------------------------------------------------------
@@ -123,7 +129,7 @@ class RankActor:
 
         from .runner import StaticRunner, mesh_of
 
-        build_layer, loss, optimizer_factory, strategy, metrics = cloudpickle.loads(payload)
+        build_layer, loss, optimizer_factory, strategy, metrics = pickling.loads(payload)
         layer = build_layer()
         if not isinstance(layer, paddle.nn.Layer):
             raise UsageError(f"build_layer must return a paddle.nn.Layer, it returned {type(layer).__name__}")
@@ -159,31 +165,35 @@ class RankActor:
         """A step on the local pieces of a batch the driver sent."""
         return self.runner.step(arrays, collect)
 
-    def step_batch(self, collect: bool, batch: dict, keys: list, sent_at: float):
-        """A step on a local batch a loader's reader stored (``batch``: its columns by key).
-
-        Counts how long the step waited for its data: from when the driver sent
-        it (``sent_at``) to when the reader had the batch, if later.
-        """
-        start = time.time()
+    def step_batch(self, collect: bool, loader: int, epoch: int, step: int, keys: list):
+        """A step on the local batch a loader's reader handed this rank (staged as tensors)."""
+        batch, waited = self.staging.take((loader, epoch, step), timeout=DATA_TIMEOUT_S)
+        if self.reader is not None:
+            self.reader.consumed(loader, epoch, step)
+        start = time.monotonic()
         out = self.runner.step([batch[k] for k in keys], collect)
-        self.data_stats.add(wait=max(0.0, batch[READY] - sent_at), step=time.time() - start,
-                            rows=len(batch[keys[0]]))  # fmt: skip
+        self.data_stats.add(wait=waited, step=time.monotonic() - start, rows=batch[keys[0]].shape()[0])
         return out
 
-    # -- reading for a ShardDataloader: a thread of its own, beside the steps --------
+    # -- a ShardDataloader's data: a thread of its own, beside the steps -------------
 
     @ray.method(concurrency_group="data")
-    def data_open(self, loader_id: int, epoch: int, source, batch_size: int, drop_last: bool, keys: list) -> None:
+    def data_open(self, loader: int, epoch: int, steps: int, source, batch_size: int, drop_last: bool,
+                  keys: list, members: list, prefetch: int) -> None:  # fmt: skip
+        """Read an epoch of this rank's group for ``members`` (see `raydist.reader.Reader`)."""
         if self.reader is None:
             from .reader import Reader
 
-            self.reader = Reader()
-        self.reader.open(loader_id, epoch, source, batch_size, drop_last, keys)
+            self.reader = Reader(self.staging)
+        self.reader.open(loader, epoch, steps, source, batch_size, drop_last, keys, members, prefetch)
 
     @ray.method(concurrency_group="data")
-    def data_next(self, loader_id: int, epoch: int) -> dict:
-        return self.reader.next(loader_id, epoch)
+    def data_stage(self, loader: int, epoch: int, step: int, batch: dict) -> None:
+        self.staging.put((loader, epoch, step), batch)
+
+    @ray.method(concurrency_group="data")
+    def data_fail(self, loader: int, epoch: int, error: str) -> None:
+        self.staging.fail(loader, epoch, error)
 
     def program(self, kind: str, mode: str | None) -> str:
         return self.runner.program(kind, mode)

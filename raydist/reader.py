@@ -1,65 +1,163 @@
-"""The reading side of a ShardDataloader, inside a rank. Rank-only.
+"""The data side of a rank, for ShardDataloaders. Rank-only.
 
-A data-parallel group's reader rank iterates its split of the dataset in the
-rank actor's "data" thread, so the next batches are read and stored while
-the current step runs. Each `next` returns one local batch, a dict of numpy
-arrays keyed like the loader's fields (column names, or positions for tuple
-rows), which Ray stores once in the object store for every rank of the group.
+- `Reader`: on a data-parallel group's reader rank, one thread per open epoch
+  iterates the group's split of the dataset, stores each local batch ONCE in
+  Ray's object store and hands the reference to every rank of its group
+  (itself included), up to ``prefetch`` steps ahead of this rank's steps. The
+  driver sends nothing per step for it.
+- `Staging`: on every rank, turns the batches it is handed into Paddle
+  tensors ahead of time, so a step only takes them (fetching and converting
+  are off the step's critical path); how long a step waits for its data is
+  measured where it happens. A reader's failure is handed out like a batch,
+  so no rank waits for data that will not come.
+
+A batch is a dict of numpy arrays keyed like the loader's fields (column
+names, or positions for tuple rows).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import ray
 
-from .rank import READY
+Key = tuple[int, int, int]  # (loader, epoch, step)
+
+
+class Staging:
+    """Batches handed to this rank, already Paddle tensors, until a step takes them."""
+
+    def __init__(self, place):
+        self._place = place
+        self._ready = threading.Condition()
+        self._batches: dict[Key, dict] = {}
+        self._failed: dict[tuple[int, int], str] = {}  # (loader, epoch) -> the reader's traceback
+
+    def put(self, key: Key, batch: dict) -> None:
+        from paddle.base import core
+
+        tensors = {}
+        for name, array in batch.items():
+            tensor = core.DenseTensor()
+            tensor.set(np.ascontiguousarray(array), self._place)
+            tensors[name] = tensor
+        with self._ready:
+            for old in [k for k in self._batches if k[0] == key[0] and k[1] < key[1]]:
+                del self._batches[old]  # read ahead for an epoch that was left early
+            self._batches[key] = tensors
+            self._ready.notify_all()
+
+    def fail(self, loader: int, epoch: int, error: str) -> None:
+        with self._ready:
+            self._failed[(loader, epoch)] = error
+            self._ready.notify_all()
+
+    def take(self, key: Key, timeout: float) -> tuple[dict, float]:
+        """The batch for ``key`` and how long this waited for it."""
+        start = time.monotonic()
+        with self._ready:
+            ok = self._ready.wait_for(lambda: key in self._batches or key[:2] in self._failed, timeout=timeout)
+            if key[:2] in self._failed:
+                raise RuntimeError(f"the reader of this rank's data-parallel group failed:\n{self._failed[key[:2]]}")
+            if not ok:
+                raise TimeoutError(f"no batch for loader {key[0]} epoch {key[1]} step {key[2]} in {timeout} s")
+            return self._batches.pop(key), time.monotonic() - start
 
 
 class Reader:
-    """This rank's open epochs, one per loader."""
+    """The reading threads of this rank, one per loader it reads for."""
 
-    def __init__(self):
-        self._epochs: dict[int, tuple[int, Iterator | BaseException]] = {}
+    def __init__(self, staging: Staging):
+        self._staging = staging
+        self._threads: dict[int, _ReadThread] = {}
 
-    def open(self, loader_id: int, epoch: int, source, batch_size: int, drop_last: bool, keys: Sequence) -> None:
+    def open(self, loader: int, epoch: int, steps: int, source, batch_size: int, drop_last: bool, keys: Sequence,
+             members: list, prefetch: int) -> None:  # fmt: skip
+        """Start reading ``epoch`` (ending the loader's previous one); ``members``: the actor
+        handles of the group's ranks, None for this one."""
+        old = self._threads.pop(loader, None)
+        if old is not None:
+            old.stop()
+        thread = _ReadThread(self._staging, loader, epoch, steps, (source, batch_size, drop_last, list(keys)),
+                             members, prefetch)  # fmt: skip
+        self._threads[loader] = thread
+        thread.start()
+
+    def consumed(self, loader: int, epoch: int, step: int) -> None:
+        """This rank took ``step``: its reader may read one more ahead."""
+        thread = self._threads.get(loader)
+        if thread is not None and thread.epoch == epoch:
+            thread.consumed(step)
+
+
+class _ReadThread(threading.Thread):
+    def __init__(self, staging, loader, epoch, steps, what, members, prefetch):
+        super().__init__(name=f"raydist-reader-{loader}-{epoch}", daemon=True)
+        self.staging, self.loader, self.epoch, self.steps = staging, loader, epoch, steps
+        self.what, self.members, self.prefetch = what, members, prefetch
+        self._window = threading.Condition()
+        self._taken = 0  # steps this rank has taken
+        self._stopped = False
+
+    def consumed(self, step: int) -> None:
+        with self._window:
+            self._taken = max(self._taken, step + 1)
+            self._window.notify_all()
+
+    def stop(self) -> None:
+        with self._window:
+            self._stopped = True
+            self._window.notify_all()
+
+    def run(self) -> None:
         try:
-            batches = _batches(source, batch_size, drop_last, list(keys))
-        except BaseException as e:  # reported by the first `next`, which a step waits on
-            batches = e
-        self._epochs[loader_id] = (epoch, batches)
+            batches = _batches(*self.what)
+            for step in range(self.steps):
+                with self._window:
+                    self._window.wait_for(lambda: self._stopped or step - self._taken < self.prefetch)
+                    if self._stopped:
+                        return
+                batch = next(batches, None)
+                if batch is None:
+                    raise RuntimeError("the split ran out of rows before the epoch's last step")
+                self._hand_out(step, batch)
+        except BaseException:
+            import traceback
 
-    def next(self, loader_id: int, epoch: int):
-        current, batches = self._epochs.get(loader_id, (None, None))
-        if current != epoch:
-            raise RuntimeError(f"loader {loader_id}: epoch {epoch} is not open on this reader (open: {current})")
-        if isinstance(batches, BaseException):
-            raise batches
-        try:
-            batch = next(batches)
-        except StopIteration:
-            raise RuntimeError(f"loader {loader_id}: the split ran out of rows before the epoch's last step") from None
-        batch[READY] = time.time()
-        return batch
+            error = traceback.format_exc()
+            self.staging.fail(self.loader, self.epoch, error)
+            for member in self.members:
+                if member is not None:
+                    member.data_fail.remote(self.loader, self.epoch, error)
+
+    def _hand_out(self, step: int, batch: dict) -> None:
+        remote = [m for m in self.members if m is not None]
+        ref = ray.put(batch) if remote else None  # once, for every other rank of the group
+        for member in remote:
+            member.data_stage.remote(self.loader, self.epoch, step, ref)
+        self.staging.put((self.loader, self.epoch, step), batch)
 
 
-def _batches(source, batch_size: int, drop_last: bool, keys: list) -> Iterator:
+def _batches(source, batch_size: int, drop_last: bool, keys: list) -> Iterator[dict]:
     if isinstance(source, tuple) and source[0] == "paddle":
         return _paddle_batches(source[1], source[2], batch_size, drop_last, keys)
     return _ray_batches(source, batch_size, drop_last, keys)
 
 
-def _ray_batches(split, batch_size: int, drop_last: bool, keys: list) -> Iterator:
+def _ray_batches(split, batch_size: int, drop_last: bool, keys: list) -> Iterator[dict]:
     for batch in split.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=drop_last):
         yield {k: np.ascontiguousarray(batch[k]) for k in keys}
 
 
-def _paddle_batches(dataset_ref, sampler: dict, batch_size: int, drop_last: bool, keys: list) -> Iterator:
-    import ray
+def _paddle_batches(dataset_ref, sampler: dict, batch_size: int, drop_last: bool, keys: list) -> Iterator[dict]:
     from paddle.io import DistributedBatchSampler
 
-    dataset = ray.get(dataset_ref)  # put once by the driver, shared by the readers
+    from . import pickling
+
+    dataset = pickling.loads(ray.get(dataset_ref))  # put once by the driver, shared by the readers
     batch_sampler = DistributedBatchSampler(
         dataset, batch_size=batch_size, num_replicas=sampler["num_replicas"], rank=sampler["rank"],
         shuffle=sampler["shuffle"], drop_last=drop_last,

@@ -178,3 +178,21 @@ def test_handles_from_another_epoch_are_refused(tagger):
     with pytest.raises(ValueError, match="finished epoch"):
         tagger(old["tag"])
     assert time.monotonic() - start < 5
+
+
+class Poisoned(Pairs):
+    def __getitem__(self, i):
+        if i == 30:
+            raise ValueError("row 30 is poisoned on purpose")
+        return super().__getitem__(i)
+
+
+def test_a_failing_reader_surfaces_as_rank_error_not_a_hang():
+    loader = raydist.shard_dataloader(Poisoned(40), MESH, shard_dims="dp", batch_size=8, prefetch=1)
+    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4) as dm:
+        start = time.monotonic()
+        with pytest.raises(raydist.RankError, match="row 30 is poisoned on purpose") as info:
+            for batch in loader():
+                dm(*batch)
+        assert "reader" in str(info.value)
+        assert time.monotonic() - start < 60

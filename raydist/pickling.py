@@ -1,0 +1,47 @@
+"""Shipping user code to the ranks: classes and functions of the user's own modules travel by value.
+
+A script's or notebook's helpers, or a test module's models, are not
+importable on the workers; installed packages are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ray import cloudpickle
+
+
+def dumps(obj: Any, what: str) -> bytes:
+    """Pickle ``obj`` for the ranks; a clear TypeError naming ``what`` if it cannot be."""
+    for item in _walk(obj):
+        module = sys.modules.get(getattr(item, "__module__", None) or "")
+        if module is not None and _is_local(module):
+            cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as e:
+        raise TypeError(f"{what} cannot be pickled for the ranks: {e}") from e
+
+
+loads = cloudpickle.loads
+
+
+def _walk(obj):
+    yield obj
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _walk(item)
+    else:
+        yield type(obj)
+
+
+def _is_local(module) -> bool:
+    """A module of the user's own (not installed), which remote workers may not import."""
+    path = getattr(module, "__file__", None)
+    if path is None or module.__name__ == "__main__" or module.__name__.split(".")[0] in ("raydist", "paddle"):
+        return False
+    installed = {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    installed.add(os.path.dirname(os.__file__))
+    return not any(os.path.abspath(path).startswith(os.path.abspath(p) + os.sep) for p in installed)
