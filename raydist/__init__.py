@@ -12,6 +12,7 @@ switches modes, sends batches and gathers results::
 from .data import Handle, ShardDataloader, shard_dataloader
 from .errors import GroupShutdownError, RankError, UsageError
 from .model import DistModel, to_static
+from .steps import Loss
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "DistModel",
     "GroupShutdownError",
     "Handle",
+    "Loss",
     "RankError",
     "ShardDataloader",
     "UsageError",

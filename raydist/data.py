@@ -117,6 +117,7 @@ class ShardDataloader:
         self.dict_rows = self._source.dict_rows
         self._id = next(_ids)
         self._rows: int | None = None
+        self._specs_by_key: dict | None = None
         self._group = None  # the RankGroup whose ranks read (set by the DistModel)
         self._epoch: _Epoch | None = None
         self._epochs = itertools.count()
@@ -150,6 +151,12 @@ class ShardDataloader:
         return self._rows
 
     # -- for the DistModel ----------------------------------------------------------
+
+    def specs_by_key(self) -> dict:
+        """`specs`, keyed by field key (computed once)."""
+        if self._specs_by_key is None:
+            self._specs_by_key = {f.key: s for f, s in zip(self.fields, self.specs())}
+        return self._specs_by_key
 
     def specs(self) -> list[TensorSpec]:
         """The global spec of each key: the last goes to the last mesh (labels), the rest to the first."""

@@ -16,6 +16,7 @@ from . import pickling
 from .data import Handle, ShardDataloader, handles_in
 from .group import GroupConfig, RankGroup
 from .specs import TensorSpec, from_input_spec, spec_of
+from .steps import Loss, Window
 from .topology import Layout, Mesh, data_layout
 
 log = logging.getLogger("raydist")
@@ -50,6 +51,8 @@ class DistModel:
             "dp" if the model's mesh has one, else every rank gets the whole batch.
         resources_per_rank, placement_strategy, master_port, placement_timeout_s,
         name, paddle_logs, runtime_env: see `raydist.group.GroupConfig`.
+        max_in_flight: how many steps may run before the driver waits for the
+            oldest (see `raydist.steps`); 1 makes every call wait for its step.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -75,6 +78,7 @@ class DistModel:
         name: str | None = None,
         paddle_logs: bool = False,
         runtime_env: dict | None = None,
+        max_in_flight: int = 2,
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
@@ -93,6 +97,7 @@ class DistModel:
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._plans: dict[str, Any] = {}  # mode -> ModePlan from rank 0
         self._specs_changed = True  # the ranks have not seen the latest specs
+        self._window = Window(max_in_flight, lambda refs, what: self._group.gather(refs, what))
 
         _init_ray(num_workers, resources_per_rank, use_gpu)
         self._group = RankGroup(
@@ -132,6 +137,7 @@ class DistModel:
         return self._mode
 
     def _switch(self, mode: str) -> None:
+        self._window.drain()
         self._mode = mode
         if self._specs_known(mode):
             self._sync_mode()
@@ -167,48 +173,43 @@ class DistModel:
         Arguments are numpy arrays or paddle Tensors (or lists of them), inputs
         then labels, as for Paddle's DistModel; or the handles a
         `raydist.shard_dataloader` yields, which the ranks read themselves.
-        Predict takes inputs only.
+        Predict takes inputs only and returns the outputs as numpy. Train and
+        eval return a `raydist.Loss` at once, while the step runs: it acts as
+        the float loss of the batch, waiting for it when read.
         """
         handles = handles_in(args)
-        if handles:
-            return self._step_loader(args, handles)
-        arrays = _to_arrays(args)
+        refs = self._dispatch_handles(args, handles) if handles else self._dispatch_arrays(_to_arrays(args))
+        plan, mode = self._plans[self._mode], self._mode
+        step = self._window.submit(refs, lambda results: _combine(plan, mode, results))
+        return step.result() if mode == "predict" else Loss(step)
+
+    def _dispatch_arrays(self, arrays: list[np.ndarray]) -> list:
         specs = self._take_specs([spec_of(a, f"#{i}") for i, a in enumerate(arrays)])
         self._sync_mode()
-        plan = self._plans[self._mode]
-        readers = _readers(plan)
+        readers = _readers(self._plans[self._mode])
         pieces = [{key: ray.put(p) for key, p in s.layout.split(a).items()} for s, a in zip(specs, arrays)]
         args_per_rank = [
             (rank in readers, *[p[_key(s.layout, rank)] for p, s in zip(pieces, specs)])
             for rank in range(len(self._group))
         ]
-        return self._results(plan, self._group.gather(self._group.each("step", args_per_rank), "step"))
+        return self._group.each("step", args_per_rank)
 
-    def _step_loader(self, args: Sequence[Any], handles: list[Handle]) -> Any:
+    def _dispatch_handles(self, args: Sequence[Any], handles: list[Handle]) -> list:
         first = handles[0]
         if len(handles) != _count_args(args):
             raise TypeError("pass either loader handles or arrays to a DistModel call, not both")
         if any((h.loader, h.epoch, h.step) != (first.loader, first.epoch, first.step) for h in handles):
             raise ValueError("the handles of one call must come from the same batch of one loader")
         loader = first.loader
-        by_key = {s.name: s for s in loader.specs()}
-        self._take_specs([by_key[str(h.key)] for h in handles])
+        by_key = loader.specs_by_key()
+        self._take_specs([by_key[h.key] for h in handles])
         loader.bind(self._group)
         self._sync_mode()
-        plan = self._plans[self._mode]
-        readers = _readers(plan)
+        readers = _readers(self._plans[self._mode])
         keys = [h.key for h in handles]
         loader.take(first)
         args = [(rank in readers, loader._id, first.epoch, first.step, keys) for rank in range(len(self._group))]
-        return self._results(plan, self._group.gather(self._group.each("step_batch", args), "step"))
-
-    def _results(self, plan, results: list) -> Any:
-        values = [
-            layout.assemble({r: results[r][i] for r in layout.readers()}) for i, layout in enumerate(plan.layouts)
-        ]
-        if self._mode == "predict":
-            return values[0] if len(values) == 1 else values
-        return float(np.mean(values[0]))
+        return self._group.each("step_batch", args)
 
     def _take_specs(self, given: list[TensorSpec]) -> list[TensorSpec]:
         """The model's specs for a call with these arguments, inferred the first time; checked.
@@ -260,6 +261,7 @@ class DistModel:
         return self._program("serial_startup", mode, rank)
 
     def _program(self, kind: str, mode: str | None, rank: int) -> str:
+        self._window.drain()
         mode = mode or self._mode
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -281,6 +283,7 @@ class DistModel:
         """
         if mode not in ("all", "opt", "param"):
             raise ValueError(f"mode must be 'all', 'opt' or 'param', got {mode!r}")
+        self._window.drain()
         pieces = self._group.run("state_dict", mode)
         state = {}
         for name, (array, layout) in pieces[0].items():
@@ -297,14 +300,25 @@ class DistModel:
         return len(self._group)
 
     def shutdown(self) -> None:
-        """Stop every rank and free their resources. Idempotent."""
-        self._finalizer()
+        """Complete the steps in flight, then stop every rank and free their resources. Idempotent."""
+        try:
+            if self._group.alive:
+                self._window.drain()
+        finally:
+            self._finalizer()
+
+    def wait(self) -> None:
+        """Complete every step in flight; raises the first failure."""
+        self._window.drain()
 
     def __enter__(self) -> "DistModel":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.shutdown()  # raises a failure of the last steps
+        else:
+            self._finalizer()  # the exception on its way out says what went wrong
 
 
 def to_static(
@@ -410,6 +424,14 @@ def _check_divides(spec: TensorSpec, shape: tuple[int, ...]) -> None:
                 f"divide by the {layout.mesh.shape[m]} ranks of mesh dim {layout.mesh.dim_names[m]!r} "
                 "(the data-parallel degree)"
             )
+
+
+def _combine(plan, mode: str, results: list) -> Any:
+    """A step's result from the ranks': the loss, or the outputs (predict)."""
+    values = [layout.assemble({r: results[r][i] for r in layout.readers()}) for i, layout in enumerate(plan.layouts)]
+    if mode == "predict":
+        return values[0] if len(values) == 1 else values
+    return float(np.mean(values[0]))
 
 
 def _readers(plan) -> set[int]:

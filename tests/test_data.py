@@ -189,10 +189,13 @@ class Poisoned(Pairs):
 
 def test_a_failing_reader_surfaces_as_rank_error_not_a_hang():
     loader = raydist.shard_dataloader(Poisoned(40), MESH, shard_dims="dp", batch_size=8, prefetch=1)
+    samplers = [paddle.io.DistributedBatchSampler(Pairs(40), 4, num_replicas=2, rank=g) for g in range(2)]
+    poisoned_step = next(k for k, (a, b) in enumerate(zip(*samplers)) if 30 in list(a) + list(b))
     with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4) as dm:
         start = time.monotonic()
         with pytest.raises(raydist.RankError, match="row 30 is poisoned on purpose") as info:
             for batch in loader():
                 dm(*batch)
-        assert "reader" in str(info.value)
+            dm.wait()  # the steps run ahead of the loop: the failure shows at the latest here
+        assert "reader" in str(info.value) and f"during step {poisoned_step}" in str(info.value)
         assert time.monotonic() - start < 60

@@ -69,13 +69,14 @@ def test_rank_failing_while_peers_wait_in_a_collective():
 def test_killed_rank_surfaces_as_died():
     data = batches(2)
     dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    dm(*data[0])
+    float(dm(*data[0]))
     pids = list(dm._group.pids)
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
+    loss = dm(*data[1])  # returns at once: the step runs
     with pytest.raises(raydist.RankError) as info:
-        dm(*data[1])
-    assert info.value.rank == 1 and info.value.died
+        float(loss)
+    assert info.value.rank == 1 and info.value.died and info.value.during == "step 1"
     assert time.monotonic() - start < 30
     wait_gone(pids)
 

@@ -1,0 +1,182 @@
+"""Steps in flight: the driver sends step k+1 before step k is done.
+
+A `DistModel` call dispatches a step to every rank and returns at once: a
+`Loss` for train and eval, read from the ranks only when it is used as a
+number. At most ``max_in_flight`` steps are outstanding; dispatching one
+more first completes the oldest, so a failure surfaces at most that many
+calls later, as a `RankError` naming the step, the rank and its traceback.
+Mode switches, state, programs and shutdown complete every step first.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import numbers
+import operator
+from typing import Any, Callable
+
+import numpy as np
+
+
+class Step:
+    """One dispatched step: its refs (one per rank) until done, then its result or error."""
+
+    __slots__ = ("number", "refs", "finish", "_window", "_value", "_error", "done")
+
+    def __init__(self, number: int, refs: list, finish: Callable[[list], Any], window: "Window"):
+        self.number = number
+        self.refs = refs
+        self.finish = finish  # the ranks' results -> the step's result
+        self._window = window
+        self._value = None
+        self._error: BaseException | None = None
+        self.done = False
+
+    def result(self) -> Any:
+        """The step's result; waits for it (and every older step)."""
+        if not self.done:
+            self._window.complete_through(self)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Window:
+    """The steps in flight, oldest first, at most ``size`` of them."""
+
+    def __init__(self, size: int, gather: Callable[[list, str], list]):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"max_in_flight must be a positive int, got {size!r}")
+        self.size = size
+        self._gather = gather  # (refs, what) -> results, raising on a rank's failure
+        self._steps: collections.deque[Step] = collections.deque()
+        self._count = 0
+
+    def submit(self, refs: list, finish: Callable[[list], Any]) -> Step:
+        step = Step(self._count, refs, finish, self)
+        self._count += 1
+        self._steps.append(step)
+        while len(self._steps) > self.size:
+            self._complete_oldest()
+        return step
+
+    def complete_through(self, step: Step) -> None:
+        while not step.done:
+            self._complete_oldest()
+
+    def drain(self) -> None:
+        """Complete every step in flight (raising the first failure)."""
+        while self._steps:
+            self._complete_oldest()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def _complete_oldest(self) -> None:
+        step = self._steps.popleft()
+        try:
+            step._value = step.finish(self._gather(step.refs, f"step {step.number}"))
+        except BaseException as e:
+            step._error = e
+            for later in self._steps:  # the group is gone: they cannot complete
+                later._error, later.done = e, True
+            self._steps.clear()
+            raise
+        finally:
+            step.done = True
+            step.refs = None
+
+
+def _number_op(op):
+    def forward(self, other):
+        return op(float(self), _plain(other))
+
+    def reverse(self, other):
+        return op(_plain(other), float(self))
+
+    return forward, reverse
+
+
+def _plain(x):
+    return float(x) if isinstance(x, Loss) else x
+
+
+class Loss:
+    """The loss of a train or eval step, read from the ranks when used as a number.
+
+    Behaves as a float: ``float(loss)``, ``f"{loss:.4f}"``, ``print(loss)``,
+    arithmetic, comparisons, ``numpy.asarray(loss)`` and ``math.isclose`` all
+    wait for the step (and raise its failure, if it failed). ``loss.done``
+    tells without waiting.
+    """
+
+    __slots__ = ("_step",)
+
+    def __init__(self, step: Step):
+        self._step = step
+
+    @property
+    def done(self) -> bool:
+        return self._step.done
+
+    @property
+    def step(self) -> int:
+        """The step's number (0 for the model's first)."""
+        return self._step.number
+
+    def __float__(self) -> float:
+        return float(self._step.result())
+
+    def item(self) -> float:
+        return float(self)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(float(self), dtype=dtype)
+
+    def __repr__(self) -> str:
+        return repr(float(self))
+
+    def __str__(self) -> str:
+        return str(float(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+    def __bool__(self) -> bool:
+        return bool(float(self))
+
+    def __int__(self) -> int:
+        return int(float(self))
+
+    def __hash__(self) -> int:
+        return hash(float(self))
+
+    def __round__(self, ndigits=None):
+        return round(float(self), ndigits)
+
+    def __abs__(self) -> float:
+        return abs(float(self))
+
+    def __neg__(self) -> float:
+        return -float(self)
+
+    def __pos__(self) -> float:
+        return float(self)
+
+    def __trunc__(self) -> int:
+        return math.trunc(float(self))
+
+    __add__, __radd__ = _number_op(operator.add)
+    __sub__, __rsub__ = _number_op(operator.sub)
+    __mul__, __rmul__ = _number_op(operator.mul)
+    __truediv__, __rtruediv__ = _number_op(operator.truediv)
+    __pow__, __rpow__ = _number_op(operator.pow)
+    __lt__, __gt__ = _number_op(operator.lt)
+    __le__, __ge__ = _number_op(operator.le)
+    __eq__, _ = _number_op(operator.eq)
+    __ne__, _ = _number_op(operator.ne)
+    del _
+
+
+numbers.Real.register(Loss)  # a number for isinstance(x, numbers.Number) checks
