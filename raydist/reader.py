@@ -59,12 +59,12 @@ class Staging:
         """The batch for ``key`` and how long this waited for it."""
         start = time.monotonic()
         with self._ready:
-            ok = self._ready.wait_for(lambda: key in self._batches or key[:2] in self._failed, timeout=timeout)
+            self._ready.wait_for(lambda: key in self._batches or key[:2] in self._failed, timeout=timeout)
+            if key in self._batches:  # read before the reader failed on a later one
+                return self._batches.pop(key), time.monotonic() - start
             if key[:2] in self._failed:
                 raise RuntimeError(f"the reader of this rank's data-parallel group failed:\n{self._failed[key[:2]]}")
-            if not ok:
-                raise TimeoutError(f"no batch for loader {key[0]} epoch {key[1]} step {key[2]} in {timeout} s")
-            return self._batches.pop(key), time.monotonic() - start
+            raise TimeoutError(f"no batch for loader {key[0]} epoch {key[1]} step {key[2]} in {timeout} s")
 
 
 class Reader:
