@@ -8,48 +8,128 @@ from __future__ import annotations
 
 import numpy as np
 
-# name: (mesh process ids, mesh dim names, global batch, description)
+# name: (kind, mesh process ids, mesh dim names, global batch, description)
 MODELS = {
-    "mlp-dp2xmp2": ([[0, 1], [2, 3]], ["dp", "mp"], 32, "quickstart MLP 16-64-4, dp=2 x mp=2, 4 ranks"),
-    "mlp-mp2": ([[0, 1]], ["dp", "mp"], 32, "quickstart MLP 16-64-4, mp=2, 2 ranks"),
+    "mlp-mp2": ("mlp", [[0, 1]], ["dp", "mp"], 32, "quickstart MLP 16-64-4, mp=2, 2 ranks"),
+    "mlp-dp2xmp2": ("mlp", [[0, 1], [2, 3]], ["dp", "mp"], 32, "quickstart MLP 16-64-4, dp=2 x mp=2, 4 ranks"),
+    "gpt-mp2": ("gpt", [[0, 1]], ["dp", "mp"], 8, "GPT 4 x (h256, 8 heads), seq 64, mp=2, 2 ranks"),
+    "gpt-dp2xmp2": ("gpt", [[0, 1], [2, 3]], ["dp", "mp"], 8, "GPT 4 x (h256, 8 heads), seq 64, dp=2 x mp=2, 4 ranks"),
 }
+
+IN, OUT = 16, 4  # the quickstart MLP's, without importing Paddle where rows are made
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 512, 256, 8, 4, 64
 
 
 def world_size(name: str) -> int:
-    return int(np.asarray(MODELS[name][0]).size)
+    return int(np.asarray(MODELS[name][1]).size)
 
 
 def batch_size(name: str) -> int:
-    return MODELS[name][2]
+    return MODELS[name][3]
 
 
 def mesh(name: str):
     import paddle.distributed as dist
 
-    ids, dims = MODELS[name][:2]
+    ids, dims = MODELS[name][1:3]
     return dist.ProcessMesh(ids, dim_names=dims)
 
 
-IN, OUT = 16, 4  # the quickstart MLP's, without importing Paddle where rows are made
-
-
 def build_layer(name: str):
-    """The quickstart MLP on the benchmark's mesh (runs on every rank)."""
-    import examples.quickstart as qs
+    """The benchmark's model on its mesh (runs on every rank)."""
+    if MODELS[name][0] == "mlp":
+        import examples.quickstart as qs
 
-    assert (qs.IN, qs.OUT) == (IN, OUT)
-    return qs.MLP(mesh(name))
+        assert (qs.IN, qs.OUT) == (IN, OUT)
+        return qs.MLP(mesh(name))
+    return GPT(mesh(name))
 
 
-def rows(ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Row ``i`` of the benchmark data, for every id: the same wherever it is made."""
+def loss(name: str):
+    import paddle
+
+    if MODELS[name][0] == "mlp":
+        return paddle.nn.MSELoss()
+    return lambda logits, labels: paddle.nn.functional.cross_entropy(
+        logits.reshape([-1, VOCAB]), labels.reshape([-1, 1])
+    )
+
+
+def rows(kind: str, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows ``ids`` of a kind's data: the same wherever they are made."""
     ids = np.asarray(ids, dtype=np.int64)
-    x = np.sin(np.outer(ids + 1, np.arange(1, IN + 1))).astype("float32")
-    y = np.cos(np.outer(ids + 1, np.arange(1, OUT + 1))).astype("float32")
-    return {"x": x, "y": y}
+    if kind == "mlp":
+        x = np.sin(np.outer(ids + 1, np.arange(1, IN + 1))).astype("float32")
+        y = np.cos(np.outer(ids + 1, np.arange(1, OUT + 1))).astype("float32")
+        return {"x": x, "y": y}
+    tokens = (np.outer(ids + 1, np.arange(1, SEQ + 2)) * 7919) % VOCAB
+    return {"x": tokens[:, :-1].astype("int64"), "y": tokens[:, 1:].astype("int64")}
 
 
 def data(name: str, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """``steps`` global batches, in order."""
-    b = batch_size(name)
-    return [(r["x"], r["y"]) for r in (rows(np.arange(k * b, (k + 1) * b)) for k in range(steps))]
+    b, kind = batch_size(name), MODELS[name][0]
+    return [(r["x"], r["y"]) for r in (rows(kind, np.arange(k * b, (k + 1) * b)) for k in range(steps))]
+
+
+def _gpt_classes():
+    import paddle
+    import paddle.distributed as dist
+    import paddle.nn.functional as F
+
+    R, S = dist.Replicate(), dist.Shard
+
+    def shard(layer, mesh, weight, bias=None):
+        layer.weight = dist.shard_tensor(layer.weight, mesh, [R, weight])
+        if bias is not None:
+            layer.bias = dist.shard_tensor(layer.bias, mesh, [R, bias])
+
+    class Block(paddle.nn.Layer):
+        """Pre-LN attention + MLP; q, k, v and fc1 column-parallel, out and fc2 row-parallel on "mp"."""
+
+        def __init__(self, mesh):
+            super().__init__()
+            self.ln1, self.ln2 = paddle.nn.LayerNorm(HIDDEN), paddle.nn.LayerNorm(HIDDEN)
+            self.q, self.k, self.v = (paddle.nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+            self.out = paddle.nn.Linear(HIDDEN, HIDDEN)
+            self.fc1, self.fc2 = paddle.nn.Linear(HIDDEN, 4 * HIDDEN), paddle.nn.Linear(4 * HIDDEN, HIDDEN)
+            for layer in (self.q, self.k, self.v, self.fc1):
+                shard(layer, mesh, S(1), S(0))
+            for layer in (self.out, self.fc2):
+                shard(layer, mesh, S(0))
+
+        def forward(self, x, mask):
+            head = HIDDEN // HEADS
+
+            def heads(t):
+                return t.reshape([0, 0, HEADS, head]).transpose([0, 2, 1, 3])
+
+            y = self.ln1(x)
+            q, k, v = heads(self.q(y)), heads(self.k(y)), heads(self.v(y))
+            att = F.softmax(paddle.matmul(q, k, transpose_y=True) / head**0.5 + mask, axis=-1)
+            y = paddle.matmul(att, v).transpose([0, 2, 1, 3]).reshape([0, 0, HIDDEN])
+            x = x + self.out(y)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(paddle.nn.Layer):
+        def __init__(self, mesh):
+            super().__init__()
+            paddle.seed(2024)
+            self.embed = paddle.nn.Embedding(VOCAB, HIDDEN)
+            self.pos = paddle.nn.Embedding(SEQ, HIDDEN)
+            self.blocks = paddle.nn.LayerList([Block(mesh) for _ in range(LAYERS)])
+            self.ln = paddle.nn.LayerNorm(HIDDEN)
+            self.head = paddle.nn.Linear(HIDDEN, VOCAB)
+
+        def forward(self, tokens):
+            x = self.embed(tokens) + self.pos(paddle.arange(SEQ))
+            mask = paddle.triu(paddle.full([SEQ, SEQ], -1e9, "float32"), 1)
+            for block in self.blocks:
+                x = block(x, mask)
+            return self.head(self.ln(x))
+
+    return GPT
+
+
+def GPT(mesh):
+    return _gpt_classes()(mesh)

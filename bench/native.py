@@ -3,11 +3,12 @@
 Started by bench/run.py once per rank with launch's environment. Builds Paddle's
 own DistModel over Paddle's own ``shard_dataloader`` (a ``paddle.io.DataLoader``
 of the benchmark rows), with raydist.compat applied since plain Paddle cannot
-run on CPU: the comparison measures what the orchestration costs. Prints rank
-0's step times, data waits and first-step time as JSON.
+run on CPU: the comparison measures what the orchestration costs. Prints the
+rank's step times, data waits, losses, first-step time and peak memory as JSON.
 """
 
 import json
+import resource
 import sys
 import time
 
@@ -23,27 +24,28 @@ def main(name: str, warmup: int, steps: int) -> None:
     compat.apply(use_gpu=False)
     dist.init_parallel_env()
     b = models.batch_size(name)
-    data = models.rows(np.arange((warmup + steps) * b))
+    data = models.rows(models.MODELS[name][0], np.arange((warmup + steps) * b))
     dataset = paddle.io.TensorDataset([paddle.to_tensor(data["x"]), paddle.to_tensor(data["y"])])
     loader = dist.shard_dataloader(paddle.io.DataLoader(dataset, batch_size=b, drop_last=True),
                                    meshes=models.mesh(name), shard_dims="dp")  # fmt: skip
     layer = models.build_layer(name)
-    dm = dist.to_static(layer, loader, paddle.nn.MSELoss(), paddle.optimizer.AdamW(1e-2, parameters=layer.parameters()))
+    dm = dist.to_static(layer, loader, models.loss(name), paddle.optimizer.AdamW(1e-3, parameters=layer.parameters()))
     dm.train()
-    times, waits, first = [], [], None
+    times, waits, losses, first = [], [], [], None
     it = iter(loader())
     for i in range(warmup + steps):
         t = time.perf_counter()
         x, y = next(it)
         got = time.perf_counter()
-        float(dm(x, y))
+        losses.append(float(dm(x, y)))
         done = time.perf_counter()
         first = first or time.time()  # wall clock: the launcher subtracts its start time
         if i >= warmup:
             times.append(done - t)
             waits.append(got - t)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"times": times, "waits": waits, "first_step_at": first}), flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result = {"times": times, "waits": waits, "first_step_at": first, "losses": losses, "peak_mib": peak}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Benchmarks: raydist next to plain multi-process Paddle, in ONE invocation.
 
-    python -m bench [--models mlp-dp2xmp2,mlp-mp2] [--steps 60] [--warmup 10] [--no-write]
+    python -m bench [--models mlp-mp2,...] [--runners native,loader,batches] [--steps 60] [--warmup 10]
+    python -m bench dispatch [--ranks 2,4,8,16] [--steps 300]
 
 For each model, the same model, data and ranks under three runners:
 - *native*: N plain processes with paddle.distributed.launch's environment,
@@ -8,7 +9,11 @@ For each model, the same model, data and ranks under three runners:
 - *raydist, loader*: raydist.to_static fed by raydist.shard_dataloader over a
   Ray Dataset (ranks read their own rows);
 - *raydist, driver batches*: numpy batches passed to ``dm(x, y)``.
-Prints a table and appends it to BENCHMARKS.md with the date, machine and versions.
+Reports the median step time, steps/s, the ratio to native, time to first
+step, peak memory per rank, the share of time ranks wait for data, and
+checks that every runner computed the same losses. ``dispatch`` measures the
+driver's own cost per step as the group grows (bench/dispatch.py). Tables are
+printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_ENV = {"env_vars": {"PYTHONPATH": str(ROOT)}}
@@ -44,25 +51,57 @@ def run_native(name: str, warmup: int, steps: int) -> dict:
         procs.append(subprocess.Popen([sys.executable, "-m", "bench.native", name, str(warmup), str(steps)],
                                       env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
-    outs = [p.communicate(timeout=600) for p in procs]
+    outs = [p.communicate(timeout=1800) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"native run failed: {[p.returncode for p in procs]}\n{outs[0][1][-3000:]}")
-    result = json.loads(next(line for line in outs[0][0].splitlines() if line.startswith("RESULT "))[7:])
-    return {"times": result["times"], "wait_share": sum(result["waits"]) / sum(result["times"]),
-            "first_step_s": result["first_step_at"] - start}  # fmt: skip
+    results = [json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:]) for out, _ in outs]
+    r0 = results[0]
+    return {"times": r0["times"], "wait_share": sum(r0["waits"]) / sum(r0["times"]), "losses": r0["losses"],
+            "first_step_s": r0["first_step_at"] - start, "peak_mib": max(r["peak_mib"] for r in results)}  # fmt: skip
 
 
-def _raydist(name: str, loader=None):
+def _raydist(name: str, loader=None, max_in_flight: int = 2):
     import paddle
 
     import raydist
-    from bench.models import build_layer, world_size
+    from bench import models
 
     return raydist.to_static(
-        lambda: build_layer(name), loader, paddle.nn.MSELoss(),
-        lambda p: paddle.optimizer.AdamW(1e-2, parameters=p),
-        num_workers=world_size(name), runtime_env=RANK_ENV,
+        lambda: models.build_layer(name), loader, models.loss(name),
+        lambda p: paddle.optimizer.AdamW(1e-3, parameters=p),
+        num_workers=models.world_size(name), runtime_env=RANK_ENV, max_in_flight=max_in_flight,
     )  # fmt: skip
+
+
+def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
+    """Run ``call(dm, batch)`` for every batch, reading every loss at the end.
+
+    The driver does not wait for each step, so step times are taken where the
+    steps run: the intervals between rank 0's step starts.
+    """
+    import ray
+
+    def take_stats():
+        return ray.get([a.take_stats.remote() for a in dm._group.actors])
+
+    losses, first = [], None
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            dm.wait()
+            take_stats()
+            timed = time.perf_counter()
+        losses.append(call(dm, batch))
+        if first is None:
+            float(losses[0])
+            first = time.time() - start
+    dm.wait()
+    wall = time.perf_counter() - timed
+    stats = take_stats()
+    times = list(np.diff(stats[0]["starts"]))
+    times.append(wall - sum(times))  # the last step: to the end of the run
+    peak = max(s["peak_rss_mib"] for s in ray.get([a.status.remote() for a in dm._group.actors]))
+    return {"times": times, "first_step_s": first, "losses": [float(x) for x in losses], "peak_mib": peak,
+            "wait_share": max(s["wait"] for s in stats) / wall}  # fmt: skip
 
 
 def run_raydist_batches(name: str, warmup: int, steps: int) -> dict:
@@ -71,42 +110,25 @@ def run_raydist_batches(name: str, warmup: int, steps: int) -> dict:
     batches = data(name, warmup + steps)
     start = time.time()
     with _raydist(name) as dm:
-        times, first = [], None
-        for i, (x, y) in enumerate(batches):
-            t = time.perf_counter()
-            dm(x, y)
-            first = first or time.time() - start
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-    return {"times": times, "first_step_s": first}
+        r = _timed_steps(dm, batches, warmup, start, lambda dm, b: dm(*b))
+    r.pop("wait_share")
+    return r
 
 
 def run_raydist_loader(name: str, warmup: int, steps: int) -> dict:
     import ray
 
     import raydist
-    from bench.models import batch_size, mesh, rows
+    from bench.models import MODELS, batch_size, mesh, rows
 
     start = time.time()
     ds = ray.data.range((warmup + steps) * batch_size(name)).map_batches(
-        lambda b: rows(b["id"]), runtime_env=RANK_ENV
+        lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
     )
     loader = raydist.shard_dataloader(ds, mesh(name), input_keys=["x", "y"], shard_dims="dp",
                                       batch_size=batch_size(name))  # fmt: skip
     with _raydist(name, loader) as dm:
-        times, first = [], None
-        for i, batch in enumerate(loader()):
-            if i == warmup:
-                ray.get([a.take_data_stats.remote() for a in dm._group.actors])
-                timed = time.perf_counter()
-            t = time.perf_counter()
-            dm(batch["x"], batch["y"])
-            first = first or time.time() - start
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-        wall = time.perf_counter() - timed
-        stats = ray.get([a.take_data_stats.remote() for a in dm._group.actors])
-    return {"times": times, "first_step_s": first, "wait_share": max(s["wait"] for s in stats) / wall}
+        return _timed_steps(dm, loader(), warmup, start, lambda dm, b: dm(b["x"], b["y"]))
 
 
 def _free_port() -> int:
@@ -137,50 +159,63 @@ RUNNERS = {  # name: (what the table calls it, runner)
 }
 
 
+def models_table(args) -> str:
+    from bench.models import MODELS, batch_size
+
+    rows = []
+    for name in args.models.split(","):
+        base, ref_losses = None, None
+        for runner in args.runners.split(","):
+            label, run = RUNNERS[runner]
+            r = run(name, args.warmup, args.steps)
+            med = statistics.median(r["times"])
+            base = base or med
+            ref_losses = ref_losses or r["losses"]
+            same = np.allclose(r["losses"], ref_losses, rtol=1e-4)
+            wait = f"{100 * r['wait_share']:.1f}" if "wait_share" in r else "-"
+            dp = len(MODELS[name][1])
+            rows.append(f"| {name} | {label} | {med * 1e3:.2f} | {1 / med:.1f} | {med / base:.3f} | "
+                        f"{r['first_step_s']:.1f} | {r['peak_mib']:.0f} | {wait} | {batch_size(name) / dp / med:.0f} "
+                        f"| {'yes' if same else 'NO'} |")  # fmt: skip
+            print(rows[-1], flush=True)
+    header = ("| model | runner | median step (ms) | steps/s | x native | time to first step (s) "
+              "| peak memory per rank (MiB) | data wait (% of time) | rows/s per rank | same losses |")  # fmt: skip
+    return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="mlp-dp2xmp2,mlp-mp2")
+    parser.add_argument("what", nargs="?", default="models", choices=["models", "dispatch"])
+    parser.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2")
     parser.add_argument("--runners", default=",".join(RUNNERS))
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--ranks", default="2,4,8,16", help="dispatch: group sizes")
     parser.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args(argv)
 
     import ray
 
-    from bench.models import MODELS, batch_size
-
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-    rows = []
+    ray.init(num_cpus=max(32, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
-        for name in args.models.split(","):
-            base = None
-            for runner in args.runners.split(","):
-                label, run = RUNNERS[runner]
-                r = run(name, args.warmup, args.steps)
-                med = statistics.median(r["times"])
-                base = base or med
-                dp = len(MODELS[name][0])
-                wait = f"{100 * r['wait_share']:.1f}" if "wait_share" in r else "-"
-                rows.append((name, label, med * 1e3, 1 / med, med / base, r["first_step_s"], wait,
-                             batch_size(name) / dp / med))  # fmt: skip
+        if args.what == "dispatch":
+            from bench.dispatch import dispatch_table
+
+            args.steps = args.steps or 300
+            table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup)
+        else:
+            args.steps = args.steps or 60
+            table = models_table(args)
     finally:
         ray.shutdown()
-
-    header = ("| model | runner | median step (ms) | steps/s | x native | time to first step (s) "
-              "| data wait (% of time) | rows/s per rank |")  # fmt: skip
-    lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {m} | {r} | {ms:.2f} | {sps:.1f} | {x:.2f} | {f:.1f} | {w} | {rps:.0f} |"
-              for m, r, ms, sps, x, f, w, rps in rows]  # fmt: skip
-    table = "\n".join(lines)
     print(table)
     if not args.no_write:
-        cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with open(ROOT / "BENCHMARKS.md", "a") as f:
-            f.write(f"\n### {stamp}: `{cmd.strip()}`\n\n{machine()}; {args.steps} timed steps after "
-                    f"{args.warmup} warm-up steps.\n\n{table}\n")  # fmt: skip
+            f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {args.steps} timed steps "
+                    f"after {args.warmup} warm-up steps.\n\n{table}\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -40,3 +40,15 @@ class UsageError(ValueError):
     Raised inside a rank; the driver re-raises it as itself, not as a
     `RankError`, since nothing failed but the call.
     """
+
+
+class StepFailed(RuntimeError):
+    """Raised inside a rank when its step fails: carries the rank and its traceback to the driver."""
+
+    def __init__(self, rank: int, traceback: str):
+        super().__init__(f"rank {rank}: {traceback}")
+        self.rank = rank
+        self.traceback = traceback
+
+    def __reduce__(self):
+        return (StepFailed, (self.rank, self.traceback))

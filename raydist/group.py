@@ -22,12 +22,15 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .env import RankPlace, paddle_env
-from .errors import GroupShutdownError, RankError, UsageError
+from .errors import GroupShutdownError, RankError, StepFailed, UsageError
 from .rank import RankActor
 
 log = logging.getLogger("raydist")
 
 # "data": a loader's reader thread, so reading overlaps the steps (default group).
+# How often a wait for the ranks looks for one that failed while others still run.
+POLL_S = 0.1
+
 _RemoteRank = ray.remote(concurrency_groups={"data": 1})(RankActor)
 
 
@@ -78,6 +81,7 @@ class RankGroup:
         self.fixes: list[str] = []
         self._pg = None
         self._alive = False
+        self._steps = None
         self._start()
 
     # -- start -----------------------------------------------------------------
@@ -170,11 +174,6 @@ class RankGroup:
         self._check_alive()
         return [getattr(a, method).remote(*args) for a in self.actors]
 
-    def each(self, method: str, args_per_rank: Sequence[tuple]) -> list[ray.ObjectRef]:
-        """Call ``method`` on every rank with that rank's arguments."""
-        self._check_alive()
-        return [getattr(a, method).remote(*args) for a, args in zip(self.actors, args_per_rank)]
-
     def run(self, method: str, *args: Any) -> list:
         """`broadcast` and wait for every rank's result."""
         return self.gather(self.broadcast(method, *args), method)
@@ -191,15 +190,19 @@ class RankGroup:
         results: list = [None] * len(refs)
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            for ref in ready:
-                i = slot[ref]
-                try:
-                    results[i] = ray.get(ref)
-                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                    self.shutdown()
-                    _drain(pending)
-                    raise _failure(e, ranks[i], during) from None
+            # all at once when they are done (the usual case); a failure shows within POLL_S
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            try:
+                for ref, value in zip(ready, ray.get(ready)):
+                    results[slot[ref]] = value
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                        self.shutdown(graceful=False)
+                        _drain(pending)
+                        raise _failure(e, ranks[slot[ref]], during) from None
         return results
 
     def _check_alive(self) -> None:
@@ -216,12 +219,30 @@ class RankGroup:
                 pass
         self.actors = []
 
-    def shutdown(self) -> None:
-        """Kill every rank and free the placement group. Idempotent."""
+    def steps(self, max_in_flight: int, compiled: bool = True):
+        """The transport of step messages (`raydist.dispatch`), opened on first use."""
+        self._check_alive()
+        if self._steps is None:
+            from .dispatch import open_steps
+
+            self._steps = open_steps(self, max_in_flight, compiled)
+        return self._steps
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Kill every rank and free the placement group. Idempotent.
+
+        ``graceful``: stop the step graph before killing the ranks; after a
+        failure ranks may be stuck in a collective, so they are killed first.
+        """
         self._alive = False
         if not ray.is_initialized():
             return
+        steps, self._steps = self._steps, None
+        if steps is not None and graceful:
+            steps.close()
         self._kill_actors()
+        if steps is not None and not graceful:
+            steps.close()
         if self._pg is not None:
             try:
                 remove_placement_group(self._pg)
@@ -236,6 +257,8 @@ def _failure(e: Exception, rank: int, during: str) -> Exception:
     cause = getattr(e, "cause", None)
     if isinstance(cause, UsageError):
         return UsageError(str(cause))
+    if isinstance(cause, StepFailed):
+        return RankError(cause.rank, cause.traceback, during=during)
     return RankError(rank, _task_traceback(e), during=during)
 
 

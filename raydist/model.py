@@ -16,8 +16,9 @@ from . import pickling
 from .data import Handle, ShardDataloader, handles_in
 from .group import GroupConfig, RankGroup
 from .specs import TensorSpec, from_input_spec, spec_of
+from .dispatch import message_bytes
 from .steps import Loss, Window
-from .topology import Layout, Mesh, data_layout
+from .topology import Mesh, data_layout
 
 log = logging.getLogger("raydist")
 
@@ -53,6 +54,9 @@ class DistModel:
         name, paddle_logs, runtime_env: see `raydist.group.GroupConfig`.
         max_in_flight: how many steps may run before the driver waits for the
             oldest (see `raydist.steps`); 1 makes every call wait for its step.
+        dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
+            Graph, the fastest) or "calls" (one actor call per rank); see
+            `raydist.dispatch`.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -79,6 +83,7 @@ class DistModel:
         paddle_logs: bool = False,
         runtime_env: dict | None = None,
         max_in_flight: int = 2,
+        dispatch: str = "compiled",
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
@@ -97,7 +102,10 @@ class DistModel:
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._plans: dict[str, Any] = {}  # mode -> ModePlan from rank 0
         self._specs_changed = True  # the ranks have not seen the latest specs
-        self._window = Window(max_in_flight, lambda refs, what: self._group.gather(refs, what))
+        self._window = Window(max_in_flight)
+        self._compiled = dispatch == "compiled"
+        if dispatch not in ("compiled", "calls"):
+            raise ValueError(f"dispatch must be 'compiled' or 'calls', got {dispatch!r}")
 
         _init_ray(num_workers, resources_per_rank, use_gpu)
         self._group = RankGroup(
@@ -178,23 +186,22 @@ class DistModel:
         the float loss of the batch, waiting for it when read.
         """
         handles = handles_in(args)
-        refs = self._dispatch_handles(args, handles) if handles else self._dispatch_arrays(_to_arrays(args))
+        message = self._loader_message(args, handles) if handles else self._arrays_message(_to_arrays(args))
         plan, mode = self._plans[self._mode], self._mode
-        step = self._window.submit(refs, lambda results: _combine(plan, mode, results))
+        steps = self._group.steps(self._window.size, self._compiled)
+        nbytes = message_bytes(message)
+        step = self._window.submit(
+            lambda: steps.send(message, nbytes),
+            lambda refs, what: _combine(plan, mode, steps.receive(refs, what)),
+        )
         return step.result() if mode == "predict" else Loss(step)
 
-    def _dispatch_arrays(self, arrays: list[np.ndarray]) -> list:
-        specs = self._take_specs([spec_of(a, f"#{i}") for i, a in enumerate(arrays)])
+    def _arrays_message(self, arrays: list[np.ndarray]) -> tuple:
+        self._take_specs([spec_of(a, f"#{i}") for i, a in enumerate(arrays)])
         self._sync_mode()
-        readers = _readers(self._plans[self._mode])
-        pieces = [{key: ray.put(p) for key, p in s.layout.split(a).items()} for s, a in zip(specs, arrays)]
-        args_per_rank = [
-            (rank in readers, *[p[_key(s.layout, rank)] for p, s in zip(pieces, specs)])
-            for rank in range(len(self._group))
-        ]
-        return self._group.each("step", args_per_rank)
+        return ("arrays", arrays)  # every rank takes its own shard (a view)
 
-    def _dispatch_handles(self, args: Sequence[Any], handles: list[Handle]) -> list:
+    def _loader_message(self, args: Sequence[Any], handles: list[Handle]) -> tuple:
         first = handles[0]
         if len(handles) != _count_args(args):
             raise TypeError("pass either loader handles or arrays to a DistModel call, not both")
@@ -205,11 +212,8 @@ class DistModel:
         self._take_specs([by_key[h.key] for h in handles])
         loader.bind(self._group)
         self._sync_mode()
-        readers = _readers(self._plans[self._mode])
-        keys = [h.key for h in handles]
         loader.take(first)
-        args = [(rank in readers, loader._id, first.epoch, first.step, keys) for rank in range(len(self._group))]
-        return self._group.each("step_batch", args)
+        return ("loader", loader._id, first.epoch, first.step, [h.key for h in handles])
 
     def _take_specs(self, given: list[TensorSpec]) -> list[TensorSpec]:
         """The model's specs for a call with these arguments, inferred the first time; checked.
@@ -434,11 +438,6 @@ def _combine(plan, mode: str, results: list) -> Any:
     return float(np.mean(values[0]))
 
 
-def _readers(plan) -> set[int]:
-    """The ranks whose results a step reads: one per distinct piece of each fetched value."""
-    return {r for layout in plan.layouts for r in layout.readers()}
-
-
 def _named(spec: TensorSpec, name: str) -> TensorSpec:
     """An inferred spec: an array's gets a Paddle-style name, a loader's keeps its column name."""
     return spec if spec.layout is not None else dataclasses.replace(spec, name=name)
@@ -448,8 +447,3 @@ def _count_args(args) -> int:
     return sum(_count_args(a) if isinstance(a, (list, tuple)) else 1 for a in args)
 
 
-def _key(layout: Layout, rank: int) -> tuple[int, ...]:
-    """The piece a rank reads; ranks outside the data mesh read the first (and ignore it)."""
-    if rank in layout.mesh:
-        return layout.key(rank)
-    return next(iter(layout.holders()))

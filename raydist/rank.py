@@ -9,20 +9,25 @@ importing Paddle's rank-side pieces.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import io
 import logging
 import os
+import resource
 import socket
+import threading
 import time
+import traceback
 import warnings
 
+import numpy as np
 import ray
 
 from . import pickling
 from .env import RankPlace
-from .errors import UsageError
+from .errors import StepFailed, UsageError
 
 # Paddle's C++ log level in ranks unless asked for Paddle's logs: warnings
 # and errors only (Paddle's default prints every INFO line).
@@ -36,19 +41,12 @@ DATA_TIMEOUT_S = 600.0
 
 
 @dataclasses.dataclass
-class DataStats:
-    """What a rank's loader steps cost: seconds waiting for data, seconds stepping, rows."""
+class StepStats:
+    """When a rank's steps started, and what its loader steps waited for data (s) and read (rows)."""
 
-    steps: int = 0
+    starts: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=100_000))
     wait: float = 0.0
-    step: float = 0.0
     rows: int = 0
-
-    def add(self, wait: float, step: float, rows: int) -> None:
-        self.steps += 1
-        self.wait += wait
-        self.step += step
-        self.rows += rows
 
 
 class RankActor:
@@ -60,7 +58,9 @@ class RankActor:
         self.runner = None
         self.reader = None
         self.staging = None
-        self.data_stats = DataStats()
+        self.collect = False  # whether the driver reads this rank's step results (set per mode)
+        self._thread_device = None
+        self.stats = StepStats()
         self.device = "cpu"
 
     # -- placement and rendezvous -------------------------------------------------
@@ -108,11 +108,8 @@ class RankActor:
         # killed on shutdown or after a peer's failure; the death is expected.
         paddle.base.core.disable_signal_handler()
         fixes = compat.apply(use_gpu)
-        if use_gpu:
-            self.device = f"gpu:{env['FLAGS_selected_gpus']}"
-            paddle.set_device("gpu")
-        else:
-            paddle.set_device("cpu")
+        self.device = f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu"
+        paddle.set_device(self.device)
         with quiet:  # init_parallel_env lists every non-default FLAG on stderr
             dist.init_parallel_env()
         from .reader import Staging
@@ -159,21 +156,53 @@ class RankActor:
         self.runner.set_specs(inputs, labels)
 
     def set_mode(self, mode: str):
-        return self.runner.set_mode(mode)
+        plan = self.runner.set_mode(mode)
+        self.collect = self.rank in plan.readers()
+        return plan
 
-    def step(self, collect: bool, *arrays):
-        """A step on the local pieces of a batch the driver sent."""
-        return self.runner.step(arrays, collect)
+    def run(self, message: tuple):
+        """One step, as `raydist.dispatch` delivers it: the same message to every rank.
 
-    def step_batch(self, collect: bool, loader: int, epoch: int, step: int, keys: list):
-        """A step on the local batch a loader's reader handed this rank (staged as tensors)."""
+        ``("arrays", [global arrays])``: take this rank's shards (views).
+        ``("loader", loader, epoch, step, keys)``: take the batch this rank's
+        reader staged. Returns this rank's local results if the driver reads
+        them (``collect``, from the mode switch), else None.
+        """
+        self.stats.starts.append(time.monotonic())
+        try:
+            if self._thread_device != threading.get_ident():
+                self._enter_device()
+            if message[0] == "arrays":
+                # copies: the message's arrays live in the channel's buffer, which
+                # Ray reuses only once nothing refers to them
+                local = [np.array(a) for a in self.runner.local(message[1], self.rank)]
+            else:
+                local = self._staged(*message[1:])
+            return self.runner.step(local, self.collect)
+        except Exception:
+            raise StepFailed(self.rank, traceback.format_exc()) from None
+
+    def _staged(self, loader: int, epoch: int, step: int, keys: list) -> list:
         batch, waited = self.staging.take((loader, epoch, step), timeout=DATA_TIMEOUT_S)
         if self.reader is not None:
             self.reader.consumed(loader, epoch, step)
-        start = time.monotonic()
-        out = self.runner.step([batch[k] for k in keys], collect)
-        self.data_stats.add(wait=waited, step=time.monotonic() - start, rows=batch[keys[0]].shape()[0])
-        return out
+        self.stats.wait += waited
+        self.stats.rows += batch[keys[0]].shape()[0]
+        return [batch[k] for k in keys]
+
+    def _enter_device(self) -> None:
+        # Steps may run on a thread of Ray's (compiled graphs): Paddle's device
+        # is per thread.
+        import paddle
+
+        paddle.set_device(self.device)
+        self._thread_device = threading.get_ident()
+
+    def program(self, kind: str, mode: str | None) -> str:
+        return self.runner.program(kind, mode)
+
+    def state_dict(self, mode: str):
+        return self.runner.state_dict(mode)
 
     # -- a ShardDataloader's data: a thread of its own, beside the steps -------------
 
@@ -195,17 +224,13 @@ class RankActor:
     def data_fail(self, loader: int, epoch: int, error: str) -> None:
         self.staging.fail(loader, epoch, error)
 
-    def program(self, kind: str, mode: str | None) -> str:
-        return self.runner.program(kind, mode)
-
-    def state_dict(self, mode: str):
-        return self.runner.state_dict(mode)
-
-    def take_data_stats(self) -> dict:
-        """The loader-step figures since the last call (and reset them)."""
-        stats, self.data_stats = self.data_stats, DataStats()
-        return dataclasses.asdict(stats)
+    def take_stats(self) -> dict:
+        """The step figures since the last call (and reset them): see `StepStats`."""
+        stats, self.stats = self.stats, StepStats()
+        return {"starts": list(stats.starts), "wait": stats.wait, "rows": stats.rows}
 
     def status(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "device": self.device,
-                "mode": getattr(self.runner, "mode", None)}  # fmt: skip
+        """Who and where this rank is, its mode and its peak memory (resident, MiB)."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "device": self.device, "mode": getattr(self.runner, "mode", None), "peak_rss_mib": peak}  # fmt: skip

@@ -12,16 +12,15 @@ executor receives either way.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import paddle
 import paddle.distributed as dist
+from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static.dist_input_spec import DistributedInputSpec
 
 from .compat import engine as compat_engine
 from .specs import TensorSpec
-from .topology import Layout, Mesh
+from .topology import Layout, Mesh, ModePlan
 
 MODES = ("train", "eval", "predict")
 _REDUCE_NAMES = {0: "sum", 1: "max", 2: "min", 3: "prod", 4: "avg"}
@@ -64,13 +63,6 @@ def paddle_spec(spec: TensorSpec) -> DistributedInputSpec:
     return DistributedInputSpec(list(spec.shape), spec.dtype, spec.name, mesh=mesh, placements=placements)
 
 
-@dataclasses.dataclass
-class ModePlan:
-    """What a mode's step fetches: the layout of each fetched value on the mesh."""
-
-    layouts: list[Layout]
-
-
 class StaticRunner:
     """One rank's static DistModel: modes, steps, programs and state."""
 
@@ -84,9 +76,11 @@ class StaticRunner:
         self._fetch: dict[str, list] = {}  # mode -> values to fetch
         self._feed: dict[str, list[str]] = {}  # mode -> feed names
         self._plans: dict[str, ModePlan] = {}
+        self.specs: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])
 
     def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
         """The global specs of inputs and labels (labels may come later, before train/eval)."""
+        self.specs = (inputs, labels)
         self.engine._inputs_spec = [paddle_spec(s) for s in inputs]
         self.engine._labels_spec = [paddle_spec(s) for s in labels]
 
@@ -104,18 +98,23 @@ class StaticRunner:
         self.mode = mode
         return self._plans[mode]
 
+    def local(self, arrays, rank: int) -> list:
+        """This rank's pieces of a global batch (views), by the current mode's specs."""
+        inputs, labels = self.specs
+        specs = inputs if self.mode == "predict" else inputs + labels
+        return [spec.layout.local(a, rank) for spec, a in zip(specs, arrays)]
+
     def step(self, arrays, collect: bool):
         """Run one step on this rank's local batch; the local results if ``collect``."""
         mode = self.mode
         feed = dict(zip(self._feed[mode], arrays))
         fetch = self._fetch[mode] if collect else []
-        paddle.enable_static()
-        try:
+        # static mode for this thread only (steps may run on a Ray thread;
+        # paddle.enable_static() does nothing outside the thread that imported Paddle)
+        with _dygraph_guard(None):
             outs = self.engine._executor.run(
                 self.engine._pir_dense_main_progs[mode], feed=feed, fetch_list=fetch, return_numpy=True
             )
-        finally:
-            paddle.disable_static()
         return outs if collect else None
 
     def program(self, kind: str, mode: str | None) -> str:

@@ -24,10 +24,10 @@ class Step:
 
     __slots__ = ("number", "refs", "finish", "_window", "_value", "_error", "done")
 
-    def __init__(self, number: int, refs: list, finish: Callable[[list], Any], window: "Window"):
+    def __init__(self, number: int, refs: list, finish: Callable[[list, str], Any], window: "Window"):
         self.number = number
         self.refs = refs
-        self.finish = finish  # the ranks' results -> the step's result
+        self.finish = finish  # (refs, "step N") -> the step's result, raising a rank's failure
         self._window = window
         self._value = None
         self._error: BaseException | None = None
@@ -45,20 +45,20 @@ class Step:
 class Window:
     """The steps in flight, oldest first, at most ``size`` of them."""
 
-    def __init__(self, size: int, gather: Callable[[list, str], list]):
+    def __init__(self, size: int):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"max_in_flight must be a positive int, got {size!r}")
         self.size = size
-        self._gather = gather  # (refs, what) -> results, raising on a rank's failure
         self._steps: collections.deque[Step] = collections.deque()
         self._count = 0
 
-    def submit(self, refs: list, finish: Callable[[list], Any]) -> Step:
-        step = Step(self._count, refs, finish, self)
+    def submit(self, send: Callable[[], list], finish: Callable[[list, str], Any]) -> Step:
+        """Make room (complete the oldest steps), then ``send`` one: its refs, one per rank."""
+        while len(self._steps) >= self.size:
+            self._complete_oldest()
+        step = Step(self._count, send(), finish, self)
         self._count += 1
         self._steps.append(step)
-        while len(self._steps) > self.size:
-            self._complete_oldest()
         return step
 
     def complete_through(self, step: Step) -> None:
@@ -76,7 +76,7 @@ class Window:
     def _complete_oldest(self) -> None:
         step = self._steps.popleft()
         try:
-            step._value = step.finish(self._gather(step.refs, f"step {step.number}"))
+            step._value = step.finish(step.refs, f"step {step.number}")
         except BaseException as e:
             step._error = e
             for later in self._steps:  # the group is gone: they cannot complete

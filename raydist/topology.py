@@ -92,6 +92,16 @@ class Layout:
             pieces[coords] = array[tuple(index)]
         return pieces
 
+    def local(self, array: np.ndarray, rank: int) -> np.ndarray:
+        """``rank``'s piece of a full array (a view), as `split` cuts it."""
+        index = [slice(None)] * array.ndim
+        coord = self.mesh.coord(rank) if rank in self.mesh else (0,) * len(self.mesh.shape)
+        for d, m in enumerate(self.dims_mapping):
+            if m >= 0:
+                step = array.shape[d] // self.mesh.shape[m]
+                index[d] = slice(coord[m] * step, (coord[m] + 1) * step)
+        return array[tuple(index)]
+
     def assemble(self, local: Mapping[int, np.ndarray]) -> np.ndarray:
         """The full array from local pieces (one per distinct piece is enough)."""
         by_key: dict[tuple[int, ...], np.ndarray] = {}
@@ -112,6 +122,17 @@ class Layout:
 
 
 _REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+@dataclasses.dataclass
+class ModePlan:
+    """What a mode's step fetches: the layout of each fetched value on the mesh."""
+
+    layouts: list[Layout]
+
+    def readers(self) -> set[int]:
+        """The ranks whose results a step reads: one per distinct piece of each fetched value."""
+        return {r for layout in self.layouts for r in layout.readers()}
 
 
 def _concat(pieces: Mapping[tuple[int, ...], np.ndarray], dims: Sequence[int]) -> np.ndarray:

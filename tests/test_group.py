@@ -74,3 +74,31 @@ def test_programs_of_any_rank_and_mode():
             dm.dist_main_program(rank=4)
         with pytest.raises(ValueError, match="mode"):
             dm.dist_main_program("fit")
+
+
+DRIVER = """
+import sys, ray, paddle, raydist
+sys.path.insert(0, {tests!r})
+from models import batches, build, sgd
+ray.init(address={address!r})
+with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
+    x, y = batches(1)[0]
+    float(dm(x, y))
+    dm.predict(); dm(x); dm.state_dict()
+print(sorted(m for m in sys.modules if m.startswith("raydist")))
+"""
+
+
+def test_the_driver_never_imports_rank_code():
+    import os
+    import subprocess
+    import sys
+
+    address = ray.get_runtime_context().gcs_address
+    code = DRIVER.format(tests=os.path.dirname(__file__), address=address)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.strip().splitlines()[-1]
+    assert "raydist.model" in loaded
+    for rank_only in ("raydist.runner", "raydist.compat", "raydist.reader"):
+        assert rank_only not in loaded
