@@ -35,21 +35,23 @@ class NullRank(RankActor):
         pass
 
     def set_mode(self, mode):
-        return ModePlan([Layout(self._mesh, (), ((0, "avg"),))])
+        plan = ModePlan([Layout(self._mesh, (), ((0, "avg"),))])
+        self.collect = self.rank in plan.readers()
+        return plan
 
-    def step(self, collect, batch):
+    def run(self, message):
         self.stats.starts.append(time.monotonic())
-        return [np.float32(1.0)] if collect else None
+        return [np.float32(1.0)] if self.collect else None
 
 
-def per_step(ranks: int, steps: int, warmup: int, batch: int = 64) -> dict:
+def per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64) -> dict:
     x = np.ones((batch, 16), np.float32)
     y = np.ones((batch, 4), np.float32)
     original = raydist.group._RemoteRank
     raydist.group._RemoteRank = raydist.group.ray.remote(concurrency_groups={"data": 1})(NullRank)
     try:
         with raydist.to_static(lambda: None, loss=lambda a, b: a, optimizer=lambda p: None, num_workers=ranks,
-                               resources_per_rank={"CPU": 0.01}) as dm:  # fmt: skip
+                               resources_per_rank={"CPU": 0.01}, dispatch=dispatch) as dm:  # fmt: skip
             for _ in range(warmup):
                 dm(x, y)
             dm.wait()
@@ -66,10 +68,12 @@ def per_step(ranks: int, steps: int, warmup: int, batch: int = 64) -> dict:
 
 def dispatch_table(sizes: list[int], steps: int, warmup: int) -> str:
     rows = []
-    for n in sizes:
-        runs = [per_step(n, steps, warmup) for _ in range(3)]
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        rows.append(f"| {n} | {med['cpu_us']:.0f} | {med['cpu_us'] / n:.0f} | {med['wall_us']:.0f} |")
-        print(rows[-1], flush=True)
-    header = "| ranks (stand-ins, no Paddle) | driver CPU per step (µs) | per rank (µs) | wall per step (µs) |"
-    return "\n".join([header, "|---:|---:|---:|---:|", *rows])
+    for dispatch in ("compiled", "calls"):
+        for n in sizes:
+            runs = [per_step(n, steps, warmup, dispatch) for _ in range(3)]
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append(f"| {dispatch} | {n} | {med['cpu_us']:.0f} | {med['cpu_us'] / n:.0f} | {med['wall_us']:.0f} |")
+            print(rows[-1], flush=True)
+    header = ("| dispatch | ranks (stand-ins, no Paddle) | driver CPU per step (µs) | per rank (µs) "
+              "| wall per step (µs) |")  # fmt: skip
+    return "\n".join([header, "|---|---:|---:|---:|---:|", *rows])

@@ -36,6 +36,9 @@ from .topology import Mesh, data_layout
 
 _ids = itertools.count()
 
+# Size of the chunks readers hand out (a chunk is at most `prefetch` batches).
+CHUNK_BYTES = 4 * 1024 * 1024
+
 # numpy kinds/dtypes Paddle has no tensor type for
 _BAD_KINDS = {"O": "object", "S": "bytes", "U": "str", "V": "void", "M": "datetime", "m": "timedelta"}
 _BAD_DTYPES = {np.dtype("uint16"), np.dtype("uint32"), np.dtype("uint64")}
@@ -79,7 +82,7 @@ class ShardDataloader:
         shuffle: bool = False,
         seed: int | None = None,
         drop_last: bool = True,
-        prefetch: int = 2,
+        prefetch: int = 8,
     ) -> None:
         self.meshes = [_as_mesh(m) for m in (meshes if isinstance(meshes, (list, tuple)) else [meshes])]
         if not self.meshes:
@@ -151,6 +154,11 @@ class ShardDataloader:
         return self._rows
 
     # -- for the DistModel ----------------------------------------------------------
+
+    def chunk(self) -> int:
+        """Local batches a reader reads and hands out at once: up to `prefetch`, about CHUNK_BYTES."""
+        row_bytes = sum(int(np.prod(f.shape, dtype=np.int64)) * f.dtype.itemsize for f in self.fields)
+        return max(1, min(self.prefetch, CHUNK_BYTES // max(1, row_bytes * self.local_batch_size)))
 
     def specs_by_key(self) -> dict:
         """`specs`, keyed by field key (computed once)."""
@@ -242,7 +250,7 @@ class _Epoch:
             members = [None if r == reader else group.actors[r] for r in loader.members(g, len(group))]
             group.actors[reader].data_open.remote(
                 loader._id, self.number, self.steps, source, loader.local_batch_size, loader.drop_last, keys,
-                members, loader.prefetch,
+                members, loader.prefetch, loader.chunk(),
             )  # fmt: skip
         self.opened = True
 
@@ -377,7 +385,7 @@ def shard_dataloader(
     shuffle: bool = False,
     seed: int | None = None,
     drop_last: bool = True,
-    prefetch: int = 2,
+    prefetch: int = 8,
 ) -> ShardDataloader:
     """Paddle's ``shard_dataloader``, fed by Ray: each data-parallel group reads its split.
 
@@ -394,7 +402,8 @@ def shard_dataloader(
         batch_size: the GLOBAL batch size (split evenly over the groups).
         shuffle, seed: reshuffle every epoch, reproducibly with ``seed``.
         drop_last: drop the last incomplete batch of an epoch.
-        prefetch: how many batches each reader reads ahead.
+        prefetch: how many local batches each reader reads ahead of its
+            rank (in chunks of up to 4 MiB).
 
     Iterate ``loader()`` (or ``loader``) for an epoch, and pass what it yields
     to the DistModel: ``for batch in loader(): dm(batch["x"], batch["y"])``.

@@ -4,14 +4,18 @@ A step message is small and identical for all ranks (each rank works out its
 own shard and whether its result is read from what it was told at the mode
 switch), so it is serialized once:
 
-- `CompiledSteps` (the default): a Ray Compiled Graph, ``RankActor.run`` on
-  every rank fed from one input channel. Measured here at about a tenth of
-  the driver's CPU per step of plain actor calls (BENCHMARKS.md). When a
-  rank raises, Ray's reader returns that error at once even while other
-  ranks still wait in a collective; when a rank dies, Ray tears the graph
-  down and every read fails.
+- `CompiledSteps`: a Ray Compiled Graph, ``RankActor.run`` on every rank fed
+  from one input channel: about a quarter of the driver's CPU per step of
+  plain actor calls (BENCHMARKS.md). But its channels busy-wait: the driver
+  waiting for a step and every rank waiting for the next one each keep a
+  core at 100 % (measured), which on CPU ranks that need every core makes
+  compute-bound steps up to 1.9x slower. The default with GPUs. When a rank
+  raises, Ray's reader returns that error at once even while other ranks
+  still wait in a collective; when a rank dies, Ray tears the graph down
+  and every read fails.
 - `CallSteps`: one actor call per rank; the message is ``ray.put`` once when
-  it is not small. The fallback when a graph cannot be compiled.
+  it is not small. The default on CPUs, and the fallback when a graph
+  cannot be compiled.
 
 Both raise `RankError` naming the rank (and tear the group down, as
 `RankGroup.gather` does).

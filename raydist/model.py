@@ -55,8 +55,10 @@ class DistModel:
         max_in_flight: how many steps may run before the driver waits for the
             oldest (see `raydist.steps`); 1 makes every call wait for its step.
         dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
-            Graph, the fastest) or "calls" (one actor call per rank); see
-            `raydist.dispatch`.
+            Graph: the least driver work per step, but its channels busy-wait,
+            a core per waiting process), "calls" (one actor call per rank),
+            or "auto": compiled with GPUs, calls on CPUs, where ranks need
+            every core (see `raydist.dispatch` and BENCHMARKS.md).
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -83,7 +85,7 @@ class DistModel:
         paddle_logs: bool = False,
         runtime_env: dict | None = None,
         max_in_flight: int = 2,
-        dispatch: str = "compiled",
+        dispatch: str = "auto",
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
@@ -103,9 +105,9 @@ class DistModel:
         self._plans: dict[str, Any] = {}  # mode -> ModePlan from rank 0
         self._specs_changed = True  # the ranks have not seen the latest specs
         self._window = Window(max_in_flight)
-        self._compiled = dispatch == "compiled"
-        if dispatch not in ("compiled", "calls"):
-            raise ValueError(f"dispatch must be 'compiled' or 'calls', got {dispatch!r}")
+        if dispatch not in ("auto", "compiled", "calls"):
+            raise ValueError(f"dispatch must be 'auto', 'compiled' or 'calls', got {dispatch!r}")
+        self._compiled = dispatch == "compiled" or (dispatch == "auto" and use_gpu)
 
         _init_ray(num_workers, resources_per_rank, use_gpu)
         self._group = RankGroup(

@@ -208,17 +208,17 @@ class RankActor:
 
     @ray.method(concurrency_group="data")
     def data_open(self, loader: int, epoch: int, steps: int, source, batch_size: int, drop_last: bool,
-                  keys: list, members: list, prefetch: int) -> None:  # fmt: skip
+                  keys: list, members: list, prefetch: int, chunk: int) -> None:  # fmt: skip
         """Read an epoch of this rank's group for ``members`` (see `raydist.reader.Reader`)."""
         if self.reader is None:
             from .reader import Reader
 
             self.reader = Reader(self.staging)
-        self.reader.open(loader, epoch, steps, source, batch_size, drop_last, keys, members, prefetch)
+        self.reader.open(loader, epoch, steps, source, batch_size, drop_last, keys, members, prefetch, chunk)
 
     @ray.method(concurrency_group="data")
-    def data_stage(self, loader: int, epoch: int, step: int, batch: dict) -> None:
-        self.staging.put((loader, epoch, step), batch)
+    def data_stage(self, loader: int, epoch: int, first_step: int, batches: list) -> None:
+        self.staging.put(loader, epoch, first_step, batches)
 
     @ray.method(concurrency_group="data")
     def data_fail(self, loader: int, epoch: int, error: str) -> None:

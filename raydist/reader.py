@@ -1,10 +1,11 @@
 """The data side of a rank, for ShardDataloaders. Rank-only.
 
 - `Reader`: on a data-parallel group's reader rank, one thread per open epoch
-  iterates the group's split of the dataset, stores each local batch ONCE in
-  Ray's object store and hands the reference to every rank of its group
-  (itself included), up to ``prefetch`` steps ahead of this rank's steps. The
-  driver sends nothing per step for it.
+  iterates the group's split of the dataset a chunk of local batches at a
+  time, stores each chunk ONCE in Ray's object store and hands the reference
+  to every rank of its group (itself included), up to ``prefetch`` steps
+  ahead of this rank's steps. Chunks amortise the per-read and per-call costs
+  over several steps. The driver sends nothing per step for it.
 - `Staging`: on every rank, turns the batches it is handed into Paddle
   tensors ahead of time, so a step only takes them (fetching and converting
   are off the step's critical path); how long a step waits for its data is
@@ -36,18 +37,22 @@ class Staging:
         self._batches: dict[Key, dict] = {}
         self._failed: dict[tuple[int, int], str] = {}  # (loader, epoch) -> the reader's traceback
 
-    def put(self, key: Key, batch: dict) -> None:
+    def put(self, loader: int, epoch: int, first_step: int, batches: list[dict]) -> None:
+        """Stage ``batches`` as the steps from ``first_step`` on."""
         from paddle.base import core
 
-        tensors = {}
-        for name, array in batch.items():
-            tensor = core.DenseTensor()
-            tensor.set(np.ascontiguousarray(array), self._place)
-            tensors[name] = tensor
+        staged = {}
+        for step, batch in enumerate(batches, first_step):
+            tensors = {}
+            for name, array in batch.items():
+                tensor = core.DenseTensor()
+                tensor.set(np.ascontiguousarray(array), self._place)
+                tensors[name] = tensor
+            staged[(loader, epoch, step)] = tensors
         with self._ready:
-            for old in [k for k in self._batches if k[0] == key[0] and k[1] < key[1]]:
+            for old in [k for k in self._batches if k[0] == loader and k[1] < epoch]:
                 del self._batches[old]  # read ahead for an epoch that was left early
-            self._batches[key] = tensors
+            self._batches.update(staged)
             self._ready.notify_all()
 
     def fail(self, loader: int, epoch: int, error: str) -> None:
@@ -75,14 +80,14 @@ class Reader:
         self._threads: dict[int, _ReadThread] = {}
 
     def open(self, loader: int, epoch: int, steps: int, source, batch_size: int, drop_last: bool, keys: Sequence,
-             members: list, prefetch: int) -> None:  # fmt: skip
+             members: list, prefetch: int, chunk: int) -> None:  # fmt: skip
         """Start reading ``epoch`` (ending the loader's previous one); ``members``: the actor
         handles of the group's ranks, None for this one."""
         old = self._threads.pop(loader, None)
         if old is not None:
             old.stop()
-        thread = _ReadThread(self._staging, loader, epoch, steps, (source, batch_size, drop_last, list(keys)),
-                             members, prefetch)  # fmt: skip
+        thread = _ReadThread(self._staging, loader, epoch, steps,
+                             (source, batch_size, drop_last, list(keys), chunk), members, prefetch)  # fmt: skip
         self._threads[loader] = thread
         thread.start()
 
@@ -114,16 +119,19 @@ class _ReadThread(threading.Thread):
 
     def run(self) -> None:
         try:
-            batches = _batches(*self.what)
-            for step in range(self.steps):
+            chunks = _chunks(*self.what)
+            step = 0
+            while step < self.steps:
                 with self._window:
                     self._window.wait_for(lambda: self._stopped or step - self._taken < self.prefetch)
                     if self._stopped:
                         return
-                batch = next(batches, None)
-                if batch is None:
+                chunk = next(chunks, None)
+                if chunk is None:
                     raise RuntimeError("the split ran out of rows before the epoch's last step")
-                self._hand_out(step, batch)
+                chunk = chunk[: self.steps - step]
+                self._hand_out(step, chunk)
+                step += len(chunk)
         except BaseException:
             import traceback
 
@@ -133,23 +141,30 @@ class _ReadThread(threading.Thread):
                 if member is not None:
                     member.data_fail.remote(self.loader, self.epoch, error)
 
-    def _hand_out(self, step: int, batch: dict) -> None:
+    def _hand_out(self, step: int, batches: list[dict]) -> None:
         remote = [m for m in self.members if m is not None]
-        ref = ray.put(batch) if remote else None  # once, for every other rank of the group
+        ref = ray.put(batches) if remote else None  # once, for every other rank of the group
         for member in remote:
             member.data_stage.remote(self.loader, self.epoch, step, ref)
-        self.staging.put((self.loader, self.epoch, step), batch)
+        self.staging.put(self.loader, self.epoch, step, batches)
 
 
-def _batches(source, batch_size: int, drop_last: bool, keys: list) -> Iterator[dict]:
+def _chunks(source, batch_size: int, drop_last: bool, keys: list, chunk: int) -> Iterator[list[dict]]:
+    """Lists of up to ``chunk`` local batches, in order."""
     if isinstance(source, tuple) and source[0] == "paddle":
-        return _paddle_batches(source[1], source[2], batch_size, drop_last, keys)
-    return _ray_batches(source, batch_size, drop_last, keys)
-
-
-def _ray_batches(split, batch_size: int, drop_last: bool, keys: list) -> Iterator[dict]:
-    for batch in split.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=drop_last):
-        yield {k: np.ascontiguousarray(batch[k]) for k in keys}
+        batches = _paddle_batches(source[1], source[2], batch_size, drop_last, keys)
+        while group := [b for _, b in zip(range(chunk), batches)]:
+            yield group
+        return
+    # one Ray Data batch per chunk; only the split's last one can be short
+    for block in source.iter_batches(batch_size=batch_size * chunk, batch_format="numpy", drop_last=False):
+        n = len(block[keys[0]])
+        starts = list(range(0, n - n % batch_size, batch_size))
+        group = [{k: np.ascontiguousarray(block[k][a : a + batch_size]) for k in keys} for a in starts]
+        if n % batch_size and not drop_last:
+            group.append({k: np.ascontiguousarray(block[k][len(starts) * batch_size :]) for k in keys})
+        if group:
+            yield group
 
 
 def _paddle_batches(dataset_ref, sampler: dict, batch_size: int, drop_last: bool, keys: list) -> Iterator[dict]:
