@@ -28,7 +28,7 @@ from typing import Any
 
 import ray
 
-from .errors import RankError, StepFailed
+from .errors import RankError, RankFailed
 
 log = logging.getLogger("raydist")
 
@@ -68,7 +68,6 @@ class CompiledSteps:
         with InputNode() as message:
             dag = MultiOutputNode([actor.run.bind(message) for actor in group.actors])
         self._graph = dag.experimental_compile(_max_inflight_executions=max_in_flight)
-        self._ranks = {actor._actor_id.hex(): rank for rank, actor in enumerate(group.actors)}
 
     def send(self, message: tuple, nbytes: int) -> list:
         return self._graph.execute(message)
@@ -79,18 +78,19 @@ class CompiledSteps:
             for ref in refs:
                 results.append(ray.get(ref, timeout=-1))  # -1: a step may take as long as it takes
         except Exception as e:
+            failure = self._failure(e, during)  # before the shutdown forgets the actors
             self.group.shutdown(graceful=False)
-            raise self._failure(e, during) from None
+            raise failure from None
         return results
 
     def _failure(self, e: Exception, during: str) -> Exception:
+        rank = self.group.rank_of(e)
         cause = getattr(e, "cause", None)
-        if isinstance(cause, StepFailed):
+        if isinstance(cause, RankFailed):
             return RankError(cause.rank, cause.traceback, during=during)
         if isinstance(e, ray.exceptions.RayActorError):
-            rank = next((r for actor_id, r in self._ranks.items() if actor_id in str(e)), -1)
             return RankError(rank, str(e).strip(), died=True, during=during)
-        return RankError(-1, f"{type(e).__name__}: {e}", during=during)
+        return RankError(rank, f"{type(e).__name__}: {e}", during=during)
 
     def close(self) -> None:
         quiet = logging.getLogger("ray.dag.compiled_dag_node")

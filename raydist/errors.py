@@ -42,8 +42,8 @@ class UsageError(ValueError):
     """
 
 
-class StepFailed(RuntimeError):
-    """Raised inside a rank when its step fails: carries the rank and its traceback to the driver."""
+class RankFailed(RuntimeError):
+    """Raised inside a rank when a call fails: carries the rank and its traceback to the driver."""
 
     def __init__(self, rank: int, traceback: str):
         super().__init__(f"rank {rank}: {traceback}")
@@ -51,4 +51,4 @@ class StepFailed(RuntimeError):
         self.traceback = traceback
 
     def __reduce__(self):
-        return (StepFailed, (self.rank, self.traceback))
+        return (RankFailed, (self.rank, self.traceback))

@@ -22,15 +22,12 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .env import RankPlace, paddle_env
-from .errors import GroupShutdownError, RankError, StepFailed, UsageError
+from .errors import GroupShutdownError, RankError, RankFailed, UsageError
 from .rank import RankActor
 
 log = logging.getLogger("raydist")
 
 # "data": a loader's reader thread, so reading overlaps the steps (default group).
-# How often a wait for the ranks looks for one that failed while others still run.
-POLL_S = 0.1
-
 _RemoteRank = ray.remote(concurrency_groups={"data": 1})(RankActor)
 
 
@@ -182,28 +179,27 @@ class RankGroup:
         """Results of ``refs`` (one per rank in ``ranks``, default all, in order).
 
         The first failure tears the group down and raises: `UsageError` as
-        itself, anything else as `RankError`. Never waits on a rank that is
-        blocked because a peer failed.
+        itself, anything else as `RankError`. ``ray.get`` of several refs
+        raises as soon as one of them failed, so this never waits on a rank
+        that is blocked because a peer failed.
         """
-        ranks = list(range(len(refs))) if ranks is None else list(ranks)
-        slot = {ref: i for i, ref in enumerate(refs)}
-        results: list = [None] * len(refs)
-        pending = list(refs)
-        while pending:
-            # all at once when they are done (the usual case); a failure shows within POLL_S
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            try:
-                for ref, value in zip(ready, ray.get(ready)):
-                    results[slot[ref]] = value
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
-                for ref in ready:
-                    try:
-                        ray.get(ref)
-                    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                        self.shutdown(graceful=False)
-                        _drain(pending)
-                        raise _failure(e, ranks[slot[ref]], during) from None
-        return results
+        try:
+            return ray.get(list(refs))
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            rank = self.rank_of(e)
+            if rank < 0 and ranks is not None and len(ranks) == 1:
+                rank = ranks[0]
+            self.shutdown(graceful=False)
+            _drain(refs)
+            raise _failure(e, rank, during) from None
+
+    def rank_of(self, e: Exception) -> int:
+        """Which rank a failure came from: `RankFailed` says; a death names the actor."""
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, RankFailed):
+            return cause.rank
+        message = str(e)
+        return next((r for r, a in enumerate(self.actors) if a._actor_id.hex() in message), -1)
 
     def _check_alive(self) -> None:
         if not self._alive:
@@ -257,7 +253,7 @@ def _failure(e: Exception, rank: int, during: str) -> Exception:
     cause = getattr(e, "cause", None)
     if isinstance(cause, UsageError):
         return UsageError(str(cause))
-    if isinstance(cause, StepFailed):
+    if isinstance(cause, RankFailed):
         return RankError(cause.rank, cause.traceback, during=during)
     return RankError(rank, _task_traceback(e), during=during)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -27,7 +28,7 @@ import ray
 
 from . import pickling
 from .env import RankPlace
-from .errors import StepFailed, UsageError
+from .errors import RankFailed, UsageError
 
 # Paddle's C++ log level in ranks unless asked for Paddle's logs: warnings
 # and errors only (Paddle's default prints every INFO line).
@@ -38,6 +39,21 @@ NOISE_LOGS = ("is not built by `lazy init`",)
 # How long a step waits for its loader batch before giving up (a reader that
 # fails tells its group at once).
 DATA_TIMEOUT_S = 600.0
+
+
+def reports_rank(method):
+    """Raise a failure of ``method`` as `RankFailed`, naming this rank (usage errors pass as they are)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except UsageError:
+            raise
+        except Exception:
+            raise RankFailed(self.rank, traceback.format_exc()) from None
+
+    return wrapper
 
 
 @dataclasses.dataclass
@@ -83,6 +99,7 @@ class RankActor:
                 return False
         return True
 
+    @reports_rank
     def setup(self, env: dict[str, str], use_gpu: bool, paddle_logs: bool = False) -> list[str]:
         """Join the process group; returns the compatibility fixes applied.
 
@@ -120,6 +137,7 @@ class RankActor:
 
     # -- the model ---------------------------------------------------------------
 
+    @reports_rank
     def build(self, payload: bytes) -> dict:
         """Build the layer and the optimizer; report the meshes the layer uses."""
         import paddle
@@ -152,14 +170,17 @@ class RankActor:
         self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
         return {"meshes": meshes}
 
+    @reports_rank
     def set_specs(self, inputs, labels) -> None:
         self.runner.set_specs(inputs, labels)
 
+    @reports_rank
     def set_mode(self, mode: str):
         plan = self.runner.set_mode(mode)
         self.collect = self.rank in plan.readers()
         return plan
 
+    @reports_rank
     def run(self, message: tuple):
         """One step, as `raydist.dispatch` delivers it: the same message to every rank.
 
@@ -169,18 +190,15 @@ class RankActor:
         them (``collect``, from the mode switch), else None.
         """
         self.stats.starts.append(time.monotonic())
-        try:
-            if self._thread_device != threading.get_ident():
-                self._enter_device()
-            if message[0] == "arrays":
-                # copies: the message's arrays live in the channel's buffer, which
-                # Ray reuses only once nothing refers to them
-                local = [np.array(a) for a in self.runner.local(message[1], self.rank)]
-            else:
-                local = self._staged(*message[1:])
-            return self.runner.step(local, self.collect)
-        except Exception:
-            raise StepFailed(self.rank, traceback.format_exc()) from None
+        if self._thread_device != threading.get_ident():
+            self._enter_device()
+        if message[0] == "arrays":
+            # copies: the message's arrays live in the channel's buffer, which
+            # Ray reuses only once nothing refers to them
+            local = [np.array(a) for a in self.runner.local(message[1], self.rank)]
+        else:
+            local = self._staged(*message[1:])
+        return self.runner.step(local, self.collect)
 
     def _staged(self, loader: int, epoch: int, step: int, keys: list) -> list:
         batch, waited = self.staging.take((loader, epoch, step), timeout=DATA_TIMEOUT_S)
@@ -198,9 +216,11 @@ class RankActor:
         paddle.set_device(self.device)
         self._thread_device = threading.get_ident()
 
+    @reports_rank
     def program(self, kind: str, mode: str | None) -> str:
         return self.runner.program(kind, mode)
 
+    @reports_rank
     def state_dict(self, mode: str):
         return self.runner.state_dict(mode)
 
