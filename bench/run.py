@@ -170,20 +170,26 @@ def models_table(args) -> str:
 
     rows = []
     for name in args.models.split(","):
+        runners = args.runners.split(",")
+        runs: dict[str, list[dict]] = {r: [] for r in runners}
+        for _ in range(args.repeat):  # round-robin, so drifts in the machine's load hit every runner alike
+            for runner in runners:
+                runs[runner].append(RUNNERS[runner][1](name, args.warmup, args.steps))
         base, ref_losses = None, None
-        for runner in args.runners.split(","):
-            label, run = RUNNERS[runner]
-            r = run(name, args.warmup, args.steps)
-            med = statistics.median(r["times"])
+        for runner in runners:
+            label = RUNNERS[runner][0]
+            first = runs[runner][0]
+            med = statistics.median(statistics.median(r["times"]) for r in runs[runner])
             base = base or med
-            ref_losses = ref_losses or r["losses"]
+            ref_losses = ref_losses or first["losses"]
             # the loader's split orders rows its own way: its losses are not step-by-step comparable
-            same = "n/a" if runner == "loader" else ("yes" if np.allclose(r["losses"], ref_losses, rtol=1e-4) else "NO")
-            wait = f"{100 * r['wait_share']:.1f}" if "wait_share" in r else "-"
+            same = "n/a" if runner == "loader" else ("yes" if np.allclose(first["losses"], ref_losses, rtol=1e-4) else "NO")
+            wait = f"{100 * max(r['wait_share'] for r in runs[runner]):.1f}" if "wait_share" in first else "-"
+            first_step = statistics.median(r["first_step_s"] for r in runs[runner])
+            peak = max(r["peak_mib"] for r in runs[runner])
             dp = len(MODELS[name][1])
-            rows.append(f"| {name} | {label} | {med * 1e3:.2f} | {1 / med:.1f} | {med / base:.3f} | "
-                        f"{r['first_step_s']:.1f} | {r['peak_mib']:.0f} | {wait} | {batch_size(name) / dp / med:.0f} "
-                        f"| {same} |")  # fmt: skip
+            rows.append(f"| {name} | {label} | {med * 1e3:.2f} | {1 / med:.1f} | {med / base:.3f} | {first_step:.1f} "
+                        f"| {peak:.0f} | {wait} | {batch_size(name) / dp / med:.0f} | {same} |")  # fmt: skip
             print(rows[-1], flush=True)
     header = ("| model | runner | median step (ms) | steps/s | x native | time to first step (s) "
               "| peak memory per rank (MiB) | data wait (% of time) | rows/s per rank | same losses |")  # fmt: skip
@@ -198,6 +204,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runners", default=",".join(RUNNERS))
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each runner, round-robin (medians)")
     parser.add_argument("--ranks", default="2,4,8,16", help="dispatch: group sizes")
     parser.add_argument("--dispatch", default="auto", choices=["auto", "compiled", "calls"])
     parser.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
@@ -224,7 +231,7 @@ def main(argv=None) -> None:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with open(ROOT / "BENCHMARKS.md", "a") as f:
             f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {args.steps} timed steps "
-                    f"after {args.warmup} warm-up steps.\n\n{table}\n")  # fmt: skip
+                    f"after {args.warmup} warm-up steps; dispatch {args.dispatch}.\n\n{table}\n")  # fmt: skip
 
 
 if __name__ == "__main__":
