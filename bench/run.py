@@ -126,11 +126,11 @@ def run_raydist_loader(name: str, warmup: int, steps: int) -> dict:
     import raydist
     from bench.models import MODELS, batch_size, mesh, rows
 
-    start = time.time()
     # made in memory, as native's paddle.io.TensorDataset is: the runners compare feeding, not making, data
     ds = ray.data.range((warmup + steps) * batch_size(name)).map_batches(
         lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
     ).materialize()
+    start = time.time()
     loader = raydist.shard_dataloader(ds, mesh(name), input_keys=["x", "y"], shard_dims="dp",
                                       batch_size=batch_size(name))  # fmt: skip
     with _raydist(name, loader) as dm:
