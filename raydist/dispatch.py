@@ -28,7 +28,6 @@ from typing import Any
 
 import ray
 
-from .errors import RankError, RankFailed
 
 log = logging.getLogger("raydist")
 
@@ -78,19 +77,8 @@ class CompiledSteps:
             for ref in refs:
                 results.append(ray.get(ref, timeout=-1))  # -1: a step may take as long as it takes
         except Exception as e:
-            failure = self._failure(e, during)  # before the shutdown forgets the actors
-            self.group.shutdown(graceful=False)
-            raise failure from None
+            raise self.group.fail(e, during) from None
         return results
-
-    def _failure(self, e: Exception, during: str) -> Exception:
-        rank = self.group.rank_of(e)
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, RankFailed):
-            return RankError(cause.rank, cause.traceback, during=during)
-        if isinstance(e, ray.exceptions.RayActorError):
-            return RankError(rank, str(e).strip(), died=True, during=during)
-        return RankError(rank, f"{type(e).__name__}: {e}", during=during)
 
     def close(self) -> None:
         quiet = logging.getLogger("ray.dag.compiled_dag_node")

@@ -28,6 +28,9 @@ from .rank import RankActor
 log = logging.getLogger("raydist")
 
 # "data": a loader's reader thread, so reading overlaps the steps (default group).
+# How long a failure waits for Ray to report a rank's death, which may be its cause.
+DEATH_GRACE_S = 2.0
+
 _RemoteRank = ray.remote(concurrency_groups={"data": 1})(RankActor)
 
 
@@ -186,12 +189,31 @@ class RankGroup:
         try:
             return ray.get(list(refs))
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            raise self.fail(e, during, ranks[0] if ranks is not None and len(ranks) == 1 else -1) from None
+
+    def fail(self, e: Exception, during: str, rank: int = -1) -> Exception:
+        """Tear the group down after ``e``; the error to raise, naming the root cause.
+
+        A rank's death makes its peers' collectives fail too, sometimes before
+        Ray reports the death: a dead rank, if any, is the one to name.
+        """
+        dead = self._dead_rank()
+        if dead is not None:
+            rank, e = dead
+        elif self.rank_of(e) >= 0:
             rank = self.rank_of(e)
-            if rank < 0 and ranks is not None and len(ranks) == 1:
-                rank = ranks[0]
-            self.shutdown(graceful=False)
-            _drain(refs)
-            raise _failure(e, rank, during) from None
+        self.shutdown(graceful=False)
+        return _failure(e, rank, during)
+
+    def _dead_rank(self, timeout: float = DEATH_GRACE_S) -> tuple[int, Exception] | None:
+        pings = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return pings.index(ref), e
+        return None
 
     def rank_of(self, e: Exception) -> int:
         """Which rank a failure came from: `RankFailed` says; a death names the actor."""
@@ -256,16 +278,6 @@ def _failure(e: Exception, rank: int, during: str) -> Exception:
     if isinstance(cause, RankFailed):
         return RankError(cause.rank, cause.traceback, during=during)
     return RankError(rank, _task_traceback(e), during=during)
-
-
-def _drain(refs: Sequence[ray.ObjectRef], timeout: float = 2.0) -> None:
-    """Read what the torn-down ranks' calls ended with, so Ray does not log them as unhandled."""
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except Exception:
-            pass
 
 
 def _task_traceback(e: ray.exceptions.RayTaskError) -> str:

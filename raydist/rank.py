@@ -244,6 +244,11 @@ class RankActor:
     def data_fail(self, loader: int, epoch: int, error: str) -> None:
         self.staging.fail(loader, epoch, error)
 
+    @ray.method(concurrency_group="data")
+    def ping(self) -> int:
+        """Answers even while a step runs (another thread): tells the driver this rank is alive."""
+        return self.rank
+
     def take_stats(self) -> dict:
         """The step figures since the last call (and reset them): see `StepStats`."""
         stats, self.stats = self.stats, StepStats()
