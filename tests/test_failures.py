@@ -66,9 +66,10 @@ def test_rank_failing_while_peers_wait_in_a_collective():
         dm(x, y)
 
 
-def test_killed_rank_surfaces_as_died():
+@pytest.mark.parametrize("dispatch", ["calls", "compiled"])
+def test_killed_rank_surfaces_as_died(dispatch):
     data = batches(2)
-    dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
+    dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, dispatch=dispatch)
     float(dm(*data[0]))
     pids = list(dm._group.pids)
     os.kill(pids[1], signal.SIGKILL)
