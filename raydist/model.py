@@ -104,6 +104,7 @@ class DistModel:
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._plans: dict[str, Any] = {}  # mode -> ModePlan from rank 0
         self._specs_changed = True  # the ranks have not seen the latest specs
+        self._pending = None  # (path, {name: manifest entry}) of a checkpoint still to restore
         self._window = Window(max_in_flight)
         if dispatch not in ("auto", "compiled", "calls"):
             raise ValueError(f"dispatch must be 'auto', 'compiled' or 'calls', got {dispatch!r}")
@@ -165,6 +166,7 @@ class DistModel:
             plans = self._group.run("set_mode", self._mode)
             self._plans[self._mode] = plans[0]
             self._rank_mode = self._mode
+            self._apply_pending()  # a checkpoint's tensors this mode's program brought
 
     def _with_layouts(self, specs: list[TensorSpec] | None) -> list[TensorSpec] | None:
         """Give specs without a layout the default data layout on the model's mesh."""
@@ -298,6 +300,99 @@ class DistModel:
             else:
                 state[name] = layout.assemble({r: pieces[r][name][0] for r in layout.readers()})
         return state
+
+    def set_state_dict(self, state: dict[str, Any]) -> None:
+        """Set parameters (and optimizer state) from FULL values; every rank keeps its own shard.
+
+        ``state`` maps names as `state_dict` gives them to numpy arrays or
+        paddle Tensors; a subset is fine, e.g. a plain single-process
+        ``paddle.nn.Layer.state_dict()`` to start from pretrained weights.
+        Unknown names and wrong shapes are errors, before anything is sent.
+        """
+        self._window.drain()
+        meta = self._group.run("state_meta")[0]
+        unknown = sorted(set(state) - set(meta))
+        if unknown:
+            raise ValueError(f"set_state_dict: the model has no {unknown} (it has {sorted(meta)})")
+        full = {}
+        for name, value in state.items():
+            array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            shape, dtype, _ = meta[name]
+            if tuple(array.shape) != tuple(shape):
+                raise ValueError(f"set_state_dict: {name!r} has shape {array.shape}, the model's is {tuple(shape)}")
+            if array.dtype != np.dtype(dtype):
+                if array.dtype.kind != np.dtype(dtype).kind:
+                    raise TypeError(f"set_state_dict: {name!r} has dtype {array.dtype}, the model's is {dtype}")
+                array = array.astype(dtype)
+            full[name] = array
+        self._group.run("set_state", ray.put(full))
+
+    def save(self, path: str) -> None:
+        """Write a distributed checkpoint to ``path`` (a new local directory or a pyarrow.fs URI).
+
+        Every rank writes its own shards, in parallel; see `raydist.checkpoint`.
+        """
+        from . import checkpoint
+
+        self._window.drain()
+        if checkpoint.exists(path):
+            raise ValueError(f"{path} exists: raydist never overwrites a checkpoint; save to a new directory")
+        meta = self._group.run("state_meta")[0]
+        plan = checkpoint.writers(meta)
+        staged = checkpoint.staging_dir(path)
+        ranks = sorted(plan)
+        try:
+            written = self._group.gather(
+                [self._group.actors[r].save_pieces.remote(staged, plan[r]) for r in ranks], "save", ranks
+            )
+        except BaseException:
+            checkpoint.remove(staged)  # an incomplete save leaves nothing behind
+            raise
+        files: dict[str, dict[int, str]] = {name: {} for name in meta}
+        for rank, file in zip(ranks, written):
+            for name in plan[rank]:
+                files[name][rank] = file
+        import paddle
+
+        from . import __version__
+
+        checkpoint.commit(staged, path, checkpoint.manifest(
+            meta, files, step=self._window.submitted, mode=self._mode, num_workers=len(self._group),
+            raydist=__version__, paddle=paddle.__version__,
+        ))  # fmt: skip
+
+    def load(self, path: str) -> None:
+        """Restore parameters and optimizer state from a checkpoint `save` wrote, on any mesh.
+
+        What the model does not have yet (the optimizer's state before the
+        train program is built) is restored when it is built.
+        """
+        from . import checkpoint
+
+        self._window.drain()
+        tensors = dict(checkpoint.read_manifest(path)["tensors"])
+        meta = self._group.run("state_meta")[0]
+        params = self._group.run("state_meta", "param")[0]
+        missing = sorted(set(params) - set(tensors))
+        wrong = sorted(n for n in set(meta) & set(tensors) if tuple(tensors[n]["shape"]) != tuple(meta[n][0]))
+        if missing or wrong:
+            raise ValueError(
+                f"{path} is a checkpoint of another model: it lacks {missing} and has other shapes for {wrong}"
+            )
+        self._pending = (path, tensors)
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """Load what the model has of a checkpoint being restored."""
+        if self._pending is None:
+            return
+        path, tensors = self._pending
+        meta = self._group.run("state_meta")[0]
+        now = {n: tensors.pop(n) for n in list(tensors) if n in meta}
+        if now:
+            self._group.run("load_state", path, now)
+        if not tensors or not self._optimizer or "train" in self._plans:
+            self._pending = None  # what is left, this model will never have
 
     # -- lifetime --------------------------------------------------------------
 

@@ -224,6 +224,29 @@ class RankActor:
     def state_dict(self, mode: str):
         return self.runner.state_dict(mode)
 
+    @reports_rank
+    def state_meta(self, mode: str = "all"):
+        return self.runner.state_meta(mode)
+
+    @reports_rank
+    def set_state(self, full: dict) -> None:
+        self.runner.set_state(full, self.rank)
+
+    @reports_rank
+    def save_pieces(self, directory: str, names: list) -> str:
+        """Write this rank's shards of ``names`` into a checkpoint directory; the file's name."""
+        from .checkpoint import write_pieces
+
+        state = self.runner.state_dict("all")
+        return write_pieces(directory, self.rank, {n: state[n][0] for n in names})
+
+    @reports_rank
+    def load_state(self, directory: str, tensors: dict) -> None:
+        """Set ``tensors`` (manifest entries) from a checkpoint; this rank keeps its own shards."""
+        from .checkpoint import assemble
+
+        self.runner.set_state(assemble(directory, tensors), self.rank)
+
     # -- a ShardDataloader's data: a thread of its own, beside the steps -------------
 
     @ray.method(concurrency_group="data")

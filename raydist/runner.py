@@ -71,6 +71,7 @@ class StaticRunner:
         if not isinstance(model, dist.DistModel):
             raise ValueError("strategy.full_graph=False makes Paddle return a dygraph model; raydist runs DistModel")
         self.model = model
+        self.layer = layer
         self.engine = model._engine
         self.mode: str | None = None
         self._fetch: dict[str, list] = {}  # mode -> values to fetch
@@ -123,13 +124,58 @@ class StaticRunner:
             raise ValueError(f"mode {mode!r} has no program yet: switch to it and run a step first")
         return str(compat_engine.program(self.engine, kind, mode))
 
-    def state_dict(self, mode: str) -> dict[str, tuple[np.ndarray, Layout]]:
-        """This rank's pieces of the state: {structured name: (local array, layout)}."""
-        state = self.model.state_dict(mode)
+    def _state(self, mode: str) -> dict[str, tuple[str, np.ndarray, Layout | None, tuple[int, ...]]]:
+        """{structured name: (variable name, local array, layout or None, global shape)}: the
+        program's state once a mode is built, before that the layer's parameters (no
+        optimizer state yet)."""
         out = {}
-        for name, tensor in state.items():
-            if tensor.is_dist():
-                out[name] = (np.array(tensor._local_value().numpy()), layout_of_tensor(tensor))
-            else:
-                out[name] = (np.array(tensor.numpy()), None)
+        if self._plans:
+            for name, (var, array, mesh, dims_mapping) in compat_engine.local_state(self.model, mode).items():
+                layout = None if mesh is None else Layout(Mesh(*mesh), dims_mapping)
+                out[name] = (var, array, layout, _global_shape(array.shape, layout))
+            return out
+        if mode == "opt":
+            return out
+        for name, tensor in self.layer.state_dict().items():
+            local = tensor._local_value() if tensor.is_dist() else tensor
+            layout = layout_of_tensor(tensor) if tensor.is_dist() else None
+            out[name] = (name, np.array(local.numpy()), layout, tuple(int(d) for d in tensor.shape))
         return out
+
+    def state_dict(self, mode: str) -> dict[str, tuple[np.ndarray, Layout | None]]:
+        """This rank's pieces of the state: {structured name: (local array, layout)}."""
+        return {name: (array, layout) for name, (_, array, layout, _) in self._state(mode).items()}
+
+    def state_meta(self, mode: str = "all") -> dict[str, tuple[tuple[int, ...], str, Layout | None]]:
+        """{structured name: (global shape, dtype, layout)} of the state (``mode`` as `state_dict`)."""
+        return {name: (shape, str(array.dtype), layout) for name, (_, array, layout, shape) in self._state(mode).items()}
+
+    def set_state(self, full: dict[str, np.ndarray], rank: int) -> None:
+        """Set the named tensors from FULL values; this rank keeps its own shard."""
+        if not self._plans:  # the layer's dygraph parameters, before the first build
+            params = self.layer.state_dict()
+            for name, value in full.items():
+                tensor = params[name]
+                local = layout_of_tensor(tensor).local(value, rank) if tensor.is_dist() else value
+                (tensor._local_value() if tensor.is_dist() else tensor).set_value(np.array(local, order="C"))
+            return
+        from paddle.base import core
+
+        state = self._state("all")
+        place = paddle.framework._current_expected_place()
+        local_state = {}
+        for name, value in full.items():
+            var, _, layout, _ = state[name]
+            dense = core.DenseTensor()
+            dense.set(np.array(value if layout is None else layout.local(value, rank), order="C"), place)
+            local_state[var] = dense
+        program = self.engine._pir_dist_main_progs[self.mode]
+        program.set_state_dict(local_state, paddle.static.global_scope(), True)
+
+
+def _global_shape(local: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
+    shape = list(local)
+    for d, m in enumerate(layout.dims_mapping if layout is not None else ()):
+        if m >= 0:
+            shape[d] *= layout.mesh.shape[m]
+    return tuple(shape)

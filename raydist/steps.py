@@ -73,6 +73,11 @@ class Window:
     def __len__(self) -> int:
         return len(self._steps)
 
+    @property
+    def submitted(self) -> int:
+        """Steps sent so far."""
+        return self._count
+
     def _complete_oldest(self) -> None:
         step = self._steps.popleft()
         try:

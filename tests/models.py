@@ -55,7 +55,7 @@ class MLP(paddle.nn.Layer):
 
 
 def build(kind: str, **kwargs):
-    """A build_layer for raydist: "dp" and "mp" on 2 ranks, "dpmp" on 4."""
+    """A build_layer for raydist: "one" on 1 rank, "dp" and "mp" on 2, "dpmp" on 4."""
 
     def build_layer():
         if kind == "dp":
@@ -64,6 +64,8 @@ def build(kind: str, **kwargs):
             return MLP(dist.ProcessMesh([0, 1], dim_names=["mp"]), **kwargs)
         if kind == "dpmp":
             return MLP(dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]), **kwargs)
+        if kind == "one":
+            return MLP(dist.ProcessMesh([0], dim_names=["mp"]), **kwargs)
         raise ValueError(kind)
 
     return build_layer

@@ -22,6 +22,7 @@ Paddle 3.3.1 defects answered here (``paddle/distributed/auto_parallel/api.py``
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle.distributed.auto_parallel.static import engine as _engine
 from paddle.distributed.auto_parallel.static import helper as _helper
@@ -82,6 +83,27 @@ def program(engine, kind: str, mode: str):
     }[kind][mode]
 
 
+def local_state(model, mode: str) -> dict[str, tuple]:
+    """This rank's state of the current mode's program:
+    {structured name: (parameter name, local numpy array, mesh, dims_mapping or None)}."""
+    from paddle.distributed.auto_parallel.static.utils import get_dist_attr
+
+    engine = model._engine
+    program = engine._pir_dist_main_progs[engine._mode]
+    attrs = get_dist_attr(program)
+    to_structured = model._parameter_to_structured_name
+    out = {}
+    for var, tensor in program.state_dict(mode, paddle.static.global_scope()).items():
+        array = np.array(tensor)
+        attr = attrs.get(var)
+        if attr is not None and len(attr["dims_mapping"]) == array.ndim:
+            mesh = (tuple(attr["process_shape"]), tuple(attr["process_group"]), tuple(attr["dim_names"]))
+            out[to_structured.get(var, var)] = (var, array, mesh, tuple(attr["dims_mapping"]))
+        else:  # e.g. AdamW's [1]-shaped beta powers with a 0-d attribute: the same on every rank
+            out[to_structured.get(var, var)] = (var, array, None, None)
+    return out
+
+
 def _initialize_as_train(engine) -> None:
     # _initialize returns at once unless mode == "train": hand it this mode's
     # programs under the name "train" for the one call.
@@ -107,5 +129,8 @@ def apply() -> None:
     expect_source(_engine.Engine._initialize, 'if mode != "train":', fix="engine")
     expect_source(_engine.Engine.get_dist_main_program, "self._pir_dist_main_progs[self._mode]", fix="engine")
     expect_source(_helper.ProxyLayer._predict, "self._output_vars[mode] = self.inner_layer(*inputs)", fix="engine")
+    from paddle.distributed.auto_parallel.api import DistModel
+
+    expect_source(DistModel._build_distributed_state_dict, 'len(dist_attr["dims_mapping"])', fix="engine")
     _helper.ProxyLayer._predict = _predict
     _applied = True

@@ -1,0 +1,162 @@
+"""Distributed checkpoints: every rank writes its own shards, in parallel; any mesh loads them.
+
+A checkpoint is a directory (a local path, or any URI ``pyarrow.fs`` opens,
+e.g. ``file://`` or ``s3://``) holding one ``rank-NNNNN.npz`` per rank that
+wrote (each distinct shard is written once, by the rank that holds it) and a
+``manifest.json`` written last: format, step, mode, versions, and for every
+tensor its global shape, dtype, layout and which file holds which piece.
+
+A save is atomic: on a local file system it is written under a temporary
+name and renamed into place once complete; elsewhere the manifest, written
+last, marks it complete. Either way a crash leaves no directory that looks
+complete and is not, and raydist never overwrites a checkpoint.
+
+Loading reassembles each tensor from the pieces and lets every rank keep the
+shard its CURRENT layout gives it, so a checkpoint saved on one mesh loads on
+another (Paddle's own reshard-on-load needs CUDA).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from pyarrow import fs as pafs
+
+from .topology import Layout, Mesh
+
+FORMAT = "raydist-checkpoint-1"
+MANIFEST = "manifest.json"
+
+
+def open_dir(path: str) -> tuple[pafs.FileSystem, str]:
+    """The file system and the path in it of a checkpoint directory (local path or URI)."""
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    import os
+
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def exists(path: str) -> bool:
+    filesystem, where = open_dir(path)
+    return filesystem.get_file_info(where).type != pafs.FileType.NotFound
+
+
+def staging_dir(path: str) -> str:
+    """Where a save of ``path`` is written before it is complete."""
+    if "://" in path and not path.startswith("file://"):
+        return path  # no atomic rename there: the manifest, written last, marks completion
+    return f"{path.rstrip('/')}.saving-{uuid.uuid4().hex[:8]}"
+
+
+def write_pieces(directory: str, rank: int, pieces: dict[str, np.ndarray]) -> str:
+    """Write this rank's pieces into ``directory``; returns the file's name."""
+    filesystem, where = open_dir(directory)
+    filesystem.create_dir(where, recursive=True)
+    name = f"rank-{rank:05d}.npz"
+    buffer = io.BytesIO()
+    np.savez(buffer, **{_key(k): v for k, v in pieces.items()})
+    with filesystem.open_output_stream(posixpath.join(where, name)) as out:
+        out.write(buffer.getvalue())
+    return name
+
+
+def read_pieces(directory: str, name: str) -> dict[str, np.ndarray]:
+    filesystem, where = open_dir(directory)
+    with filesystem.open_input_file(posixpath.join(where, name)) as f:
+        data = np.load(io.BytesIO(f.read()))
+        return {_name(k): data[k] for k in data.files}
+
+
+def commit(staged: str, path: str, manifest: dict[str, Any]) -> None:
+    """Write the manifest (last), then move the staged directory into place."""
+    filesystem, where = open_dir(staged)
+    with filesystem.open_output_stream(posixpath.join(where, MANIFEST)) as out:
+        out.write(json.dumps(manifest, indent=1).encode())
+    if staged != path:
+        target_fs, target = open_dir(path)
+        target_fs.move(where, target)
+
+
+def remove(path: str) -> None:
+    """Delete a directory (best effort)."""
+    filesystem, where = open_dir(path)
+    try:
+        filesystem.delete_dir(where)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    filesystem, where = open_dir(path)
+    try:
+        with filesystem.open_input_file(posixpath.join(where, MANIFEST)) as f:
+            manifest = json.loads(f.read())
+    except (FileNotFoundError, OSError) as e:
+        raise ValueError(f"{path} is not a complete raydist checkpoint (no {MANIFEST}): {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a raydist checkpoint of format {FORMAT}")
+    return manifest
+
+
+def manifest(meta: dict, files: dict[str, dict[int, str]], **info: Any) -> dict[str, Any]:
+    """The manifest of a checkpoint of tensors ``meta`` ({name: (shape, dtype, layout)})."""
+    tensors = {
+        name: {"shape": list(shape), "dtype": dtype, "layout": layout_to_json(layout),
+               "files": {str(r): f for r, f in files[name].items()}}  # fmt: skip
+        for name, (shape, dtype, layout) in meta.items()
+    }
+    return {"format": FORMAT, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **info, "tensors": tensors}
+
+
+def writers(meta: dict) -> dict[int, list[str]]:
+    """Which rank writes which tensors: one holder of each distinct piece (rank 0 for dense ones)."""
+    plan: dict[int, list[str]] = {}
+    for name, (_, _, layout) in meta.items():
+        for rank in layout.readers() if layout is not None else [0]:
+            plan.setdefault(rank, []).append(name)
+    return plan
+
+
+def assemble(directory: str, tensors: dict[str, Any], files_cache: dict | None = None) -> dict[str, np.ndarray]:
+    """The FULL value of each tensor of a manifest, read from its pieces."""
+    cache = files_cache if files_cache is not None else {}
+    out = {}
+    for name, entry in tensors.items():
+        pieces = {}
+        for rank, file in entry["files"].items():
+            if file not in cache:
+                cache[file] = read_pieces(directory, file)
+            pieces[int(rank)] = cache[file][name]
+        layout = layout_from_json(entry["layout"])
+        out[name] = pieces[0] if layout is None else layout.assemble(pieces)
+    return out
+
+
+def layout_to_json(layout: Layout | None) -> dict | None:
+    if layout is None:
+        return None
+    m = layout.mesh
+    return {"mesh_shape": list(m.shape), "process_ids": list(m.process_ids), "dim_names": list(m.dim_names),
+            "dims_mapping": list(layout.dims_mapping), "partial": [list(p) for p in layout.partial]}  # fmt: skip
+
+
+def layout_from_json(data: dict | None) -> Layout | None:
+    if data is None:
+        return None
+    mesh = Mesh(tuple(data["mesh_shape"]), tuple(data["process_ids"]), tuple(data["dim_names"]))
+    return Layout(mesh, tuple(data["dims_mapping"]), tuple((int(d), str(r)) for d, r in data["partial"]))
+
+
+def _key(name: str) -> str:
+    return name.replace("/", "\\x2f")  # npz member names are paths
+
+
+def _name(key: str) -> str:
+    return key.replace("\\x2f", "/")
