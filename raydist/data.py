@@ -132,12 +132,17 @@ class ShardDataloader:
         return self.__iter__()
 
     def __iter__(self) -> Iterator:
+        return self.epoch(next(self._epochs))
+
+    def epoch(self, number: int, start: int = 0) -> Iterator:
+        """Epoch ``number`` (its shuffle depends on it), from step ``start`` on: to resume."""
         if len(self) == 0:
             raise ValueError(
                 f"the dataset has {self.rows()} rows: fewer than one global batch of {self.batch_size} "
                 f"({self.dp} data-parallel groups of {self.local_batch_size})"
             )
-        self._epoch = _Epoch(self, next(self._epochs))
+        self._epochs = itertools.count(number + 1)
+        self._epoch = _Epoch(self, number, start)
         return self._epoch
 
     def __len__(self) -> int:
@@ -211,12 +216,13 @@ class ShardDataloader:
 class _Epoch:
     """One pass over the data: yields handles; the readers read ahead on their own."""
 
-    def __init__(self, loader: ShardDataloader, number: int):
+    def __init__(self, loader: ShardDataloader, number: int, start: int = 0):
         self.loader = loader
         self.number = number
         self.steps = len(loader)
-        self.step = 0  # the next step to yield
-        self.taken = 0  # the next step a DistModel call may take
+        self.start = start
+        self.step = start  # the next step to yield
+        self.taken = start  # the next step a DistModel call may take
         self.opened = False
 
     def __iter__(self):
@@ -232,7 +238,10 @@ class _Epoch:
         return handles
 
     def take(self, step: int) -> None:
-        """A DistModel call is about to consume ``step``: the readers must be reading."""
+        """A DistModel call is about to consume ``step``: the readers must be reading.
+
+        Opening reads the epoch from `start` (after a restart, or the first call).
+        """
         if step != self.taken:
             raise ValueError(
                 f"step {step} of the epoch comes out of order (the next is {self.taken}): "
@@ -249,8 +258,8 @@ class _Epoch:
         for g, (reader, source) in enumerate(zip(loader.readers(), sources)):
             members = [None if r == reader else group.actors[r] for r in loader.members(g, len(group))]
             group.actors[reader].data_open.remote(
-                loader._id, self.number, self.steps, source, loader.local_batch_size, loader.drop_last, keys,
-                members, loader.prefetch, loader.chunk(),
+                loader._id, self.number, self.start, self.steps, source, loader.local_batch_size,
+                loader.drop_last, keys, members, loader.prefetch, loader.chunk(),
             )  # fmt: skip
         self.opened = True
 

@@ -250,14 +250,14 @@ class RankActor:
     # -- a ShardDataloader's data: a thread of its own, beside the steps -------------
 
     @ray.method(concurrency_group="data")
-    def data_open(self, loader: int, epoch: int, steps: int, source, batch_size: int, drop_last: bool,
-                  keys: list, members: list, prefetch: int, chunk: int) -> None:  # fmt: skip
+    def data_open(self, loader: int, epoch: int, start: int, steps: int, source, batch_size: int,
+                  drop_last: bool, keys: list, members: list, prefetch: int, chunk: int) -> None:  # fmt: skip
         """Read an epoch of this rank's group for ``members`` (see `raydist.reader.Reader`)."""
         if self.reader is None:
             from .reader import Reader
 
             self.reader = Reader(self.staging)
-        self.reader.open(loader, epoch, steps, source, batch_size, drop_last, keys, members, prefetch, chunk)
+        self.reader.open(loader, epoch, start, steps, source, batch_size, drop_last, keys, members, prefetch, chunk)
 
     @ray.method(concurrency_group="data")
     def data_stage(self, loader: int, epoch: int, first_step: int, batches: list) -> None:

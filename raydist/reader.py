@@ -79,17 +79,20 @@ class Reader:
         self._staging = staging
         self._threads: dict[int, _ReadThread] = {}
 
-    def open(self, loader: int, epoch: int, steps: int, source, batch_size: int, drop_last: bool, keys: Sequence,
-             members: list, prefetch: int, chunk: int) -> None:  # fmt: skip
-        """Start reading ``epoch`` (ending the loader's previous one); ``members``: the actor
-        handles of the group's ranks, None for this one."""
+    def open(self, loader: int, epoch: int, start: int, steps: int, source, batch_size: int, drop_last: bool,
+             keys: Sequence, members: list, prefetch: int, chunk: int) -> None:  # fmt: skip
+        """Start reading ``epoch`` from step ``start`` (ending the loader's previous epoch);
+        ``members``: the actor handles of the group's ranks, None for this one."""
         old = self._threads.pop(loader, None)
         if old is not None:
             old.stop()
-        thread = _ReadThread(self._staging, loader, epoch, steps,
+        thread = _ReadThread(self._staging, loader, epoch, start, steps,
                              (source, batch_size, drop_last, list(keys), chunk), members, prefetch)  # fmt: skip
         self._threads[loader] = thread
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            thread.fail()
 
     def consumed(self, loader: int, epoch: int, step: int) -> None:
         """This rank took ``step``: its reader may read one more ahead."""
@@ -99,12 +102,12 @@ class Reader:
 
 
 class _ReadThread(threading.Thread):
-    def __init__(self, staging, loader, epoch, steps, what, members, prefetch):
+    def __init__(self, staging, loader, epoch, start, steps, what, members, prefetch):
         super().__init__(name=f"raydist-reader-{loader}-{epoch}", daemon=True)
-        self.staging, self.loader, self.epoch, self.steps = staging, loader, epoch, steps
+        self.staging, self.loader, self.epoch, self.first, self.steps = staging, loader, epoch, start, steps
         self.what, self.members, self.prefetch = what, members, prefetch
         self._window = threading.Condition()
-        self._taken = 0  # steps this rank has taken
+        self._taken = start  # steps this rank has taken
         self._stopped = False
 
     def consumed(self, step: int) -> None:
@@ -121,6 +124,13 @@ class _ReadThread(threading.Thread):
         try:
             chunks = _chunks(*self.what)
             step = 0
+            while step < self.first:  # resuming: the epoch's first steps were taken before a restart
+                chunk = next(chunks, None)
+                if chunk is None:
+                    raise RuntimeError("the split ran out of rows before the step to resume from")
+                if step + len(chunk) > self.first:
+                    self._hand_out(self.first, chunk[self.first - step :])
+                step += len(chunk)
             while step < self.steps:
                 with self._window:
                     self._window.wait_for(lambda: self._stopped or step - self._taken < self.prefetch)
@@ -133,13 +143,17 @@ class _ReadThread(threading.Thread):
                 self._hand_out(step, chunk)
                 step += len(chunk)
         except BaseException:
-            import traceback
+            self.fail()
 
-            error = traceback.format_exc()
-            self.staging.fail(self.loader, self.epoch, error)
-            for member in self.members:
-                if member is not None:
-                    member.data_fail.remote(self.loader, self.epoch, error)
+    def fail(self) -> None:
+        """Hand the exception being handled to the group, in place of the batches."""
+        import traceback
+
+        error = traceback.format_exc()
+        self.staging.fail(self.loader, self.epoch, error)
+        for member in self.members:
+            if member is not None:
+                member.data_fail.remote(self.loader, self.epoch, error)
 
     def _hand_out(self, step: int, batches: list[dict]) -> None:
         remote = [m for m in self.members if m is not None]
