@@ -84,6 +84,12 @@ def commit(staged: str, path: str, manifest: dict[str, Any]) -> None:
         target_fs.move(where, target)
 
 
+def listing(path: str) -> list[str]:
+    """Names in a directory."""
+    filesystem, where = open_dir(path)
+    return [posixpath.basename(i.path) for i in filesystem.get_file_info(pafs.FileSelector(where))]
+
+
 def remove(path: str) -> None:
     """Delete a directory (best effort)."""
     filesystem, where = open_dir(path)

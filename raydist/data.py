@@ -183,7 +183,7 @@ class ShardDataloader:
     def bind(self, group) -> None:
         """Read with ``group``'s ranks from now on (from the next epoch)."""
         if self._group is not group:
-            if self._group is not None:
+            if self._epoch is not None and self._epoch.opened:
                 self._epoch = None  # its readers were the other group's ranks
             self._group = group
 

@@ -24,6 +24,7 @@ Both raise `RankError` naming the rank (and tear the group down, as
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
@@ -41,15 +42,16 @@ class CallSteps:
 
     name = "calls"
 
-    def __init__(self, group):
+    def __init__(self, group, timeout: float | None):
         self.group = group
+        self.timeout = timeout
 
     def send(self, message: tuple, nbytes: int) -> list:
         payload = message if nbytes <= INLINE_BYTES else ray.put(message)
         return self.group.broadcast("run", payload)
 
     def receive(self, refs: list, during: str) -> list:
-        return self.group.gather(refs, during)
+        return self.group.gather(refs, during, timeout=self.timeout)
 
     def close(self) -> None:
         pass
@@ -60,10 +62,11 @@ class CompiledSteps:
 
     name = "compiled"
 
-    def __init__(self, group, max_in_flight: int):
+    def __init__(self, group, max_in_flight: int, timeout: float | None):
         from ray.dag import InputNode, MultiOutputNode
 
         self.group = group
+        self.timeout = timeout
         with InputNode() as message:
             dag = MultiOutputNode([actor.run.bind(message) for actor in group.actors])
         self._graph = dag.experimental_compile(_max_inflight_executions=max_in_flight)
@@ -73,9 +76,13 @@ class CompiledSteps:
 
     def receive(self, refs: list, during: str) -> list:
         results = []
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         try:
             for ref in refs:
-                results.append(ray.get(ref, timeout=-1))  # -1: a step may take as long as it takes
+                left = -1 if deadline is None else max(0.0, deadline - time.monotonic())  # -1: no limit
+                results.append(ray.get(ref, timeout=left))
+        except ray.exceptions.RayChannelTimeoutError:
+            raise self.group.timed_out(list(range(len(results), len(refs))), during, self.timeout) from None
         except Exception as e:
             raise self.group.fail(e, during) from None
         return results
@@ -91,14 +98,17 @@ class CompiledSteps:
             quiet.setLevel(level)
 
 
-def open_steps(group, max_in_flight: int, compiled: bool):
-    """The step transport for ``group``: compiled if asked and possible, else calls."""
+def open_steps(group, max_in_flight: int, compiled: bool, timeout: float | None):
+    """The step transport for ``group``: compiled if asked and possible, else calls.
+
+    ``timeout``: seconds a step may take before its ranks count as stuck.
+    """
     if compiled:
         try:
-            return CompiledSteps(group, max_in_flight)
+            return CompiledSteps(group, max_in_flight, timeout)
         except Exception as e:  # noqa: BLE001 - any failure to compile leaves the plain path
             log.warning("raydist: cannot compile the step graph (%s); using one actor call per rank", e)
-    return CallSteps(group)
+    return CallSteps(group, timeout)
 
 
 def message_bytes(message: Any) -> int:

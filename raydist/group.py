@@ -109,19 +109,33 @@ class RankGroup:
 
     def _wait_placed(self) -> None:
         cfg, start = self.config, time.monotonic()
+        logged = start
         while True:
+            # Checked every round: a fresh cluster publishes its autoscaler
+            # status a few seconds after it starts.
+            if not _fits_a_node(cfg.bundle()) and not _autoscaling():
+                remove_placement_group(self._pg)
+                raise ValueError(
+                    f"no node of this cluster can hold one rank's {cfg.bundle()} (nodes: {_node_resources()}), "
+                    "and no autoscaler can add one: ask for less with resources_per_rank"
+                )
+            waited = time.monotonic() - start
+            left = 10.0 if cfg.placement_timeout_s is None else cfg.placement_timeout_s - waited
             try:
-                ray.get(self._pg.ready(), timeout=10)
+                ray.get(self._pg.ready(), timeout=max(0.5, min(_PLACEMENT_POLL_S, left)))
                 return
             except ray.exceptions.GetTimeoutError:
                 waited = time.monotonic() - start
                 msg = f"waiting for {cfg.num_workers} x {cfg.bundle()}: {_placeable(cfg.bundle())} placeable"
                 if cfg.placement_timeout_s is not None and waited >= cfg.placement_timeout_s:
+                    remove_placement_group(self._pg)
                     raise TimeoutError(
                         f"could not place the ranks in {waited:.0f} s ({msg}). Give the cluster more "
                         "resources, or ask less per rank with resources_per_rank."
                     ) from None
-                log.warning("%s (%.0f s)", msg, waited)
+                if time.monotonic() - logged >= 10:
+                    logged = time.monotonic()
+                    log.warning("%s (%.0f s)", msg, waited)
 
     def _spawn(self) -> None:
         """Start one actor per rank, ranks ordered by node (the driver's first), then bundle."""
@@ -178,18 +192,36 @@ class RankGroup:
         """`broadcast` and wait for every rank's result."""
         return self.gather(self.broadcast(method, *args), method)
 
-    def gather(self, refs: Sequence[ray.ObjectRef], during: str, ranks: Sequence[int] | None = None) -> list:
+    def gather(self, refs: Sequence[ray.ObjectRef], during: str, ranks: Sequence[int] | None = None,
+               timeout: float | None = None) -> list:  # fmt: skip
         """Results of ``refs`` (one per rank in ``ranks``, default all, in order).
 
         The first failure tears the group down and raises: `UsageError` as
         itself, anything else as `RankError`. ``ray.get`` of several refs
         raises as soon as one of them failed, so this never waits on a rank
-        that is blocked because a peer failed.
+        that is blocked because a peer failed. After ``timeout`` seconds
+        without every result (a collective that never returns), the ranks
+        still busy are named in a `RankError` and the group is torn down.
         """
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
         try:
-            return ray.get(list(refs))
+            return ray.get(list(refs), timeout=timeout)
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-            raise self.fail(e, during, ranks[0] if ranks is not None and len(ranks) == 1 else -1) from None
+            raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1) from None
+        except ray.exceptions.GetTimeoutError:
+            _, busy = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            stuck = [ranks[list(refs).index(r)] for r in busy]
+            raise self.timed_out(stuck, during, timeout) from None
+
+    def timed_out(self, stuck: list[int], during: str, timeout: float) -> RankError:
+        """Tear the group down after ranks ``stuck`` gave no answer in time."""
+        self.shutdown(graceful=False)
+        return RankError(
+            stuck[0] if stuck else -1,
+            f"no result from ranks {stuck} within {timeout} s: a collective that never returns, or a peer "
+            "that vanished without Ray noticing (raise step_timeout_s for longer steps)",
+            during=during,
+        )
 
     def fail(self, e: Exception, during: str, rank: int = -1) -> Exception:
         """Tear the group down after ``e``; the error to raise, naming the root cause.
@@ -237,13 +269,13 @@ class RankGroup:
                 pass
         self.actors = []
 
-    def steps(self, max_in_flight: int, compiled: bool = True):
+    def steps(self, max_in_flight: int, compiled: bool = True, timeout: float | None = None):
         """The transport of step messages (`raydist.dispatch`), opened on first use."""
         self._check_alive()
         if self._steps is None:
             from .dispatch import open_steps
 
-            self._steps = open_steps(self, max_in_flight, compiled)
+            self._steps = open_steps(self, max_in_flight, compiled, timeout)
         return self._steps
 
     def shutdown(self, graceful: bool = True) -> None:
@@ -289,8 +321,45 @@ def _task_traceback(e: ray.exceptions.RayTaskError) -> str:
     return f"{frames}" if frames.startswith("Traceback") else f"Traceback (most recent call last):\n{frames}"
 
 
+_PLACEMENT_POLL_S = 2.0
+
+
 def _death_cause(e: ray.exceptions.RayActorError) -> str:
     return str(e).strip() or type(e).__name__
+
+
+def _node_resources() -> list[dict[str, float]]:
+    keep = ("CPU", "GPU", "memory")
+    return [{k: v for k, v in n.get("Resources", {}).items() if k in keep} for n in ray.nodes() if n.get("Alive")]
+
+
+def _fits_a_node(bundle: dict[str, float]) -> bool:
+    return any(
+        all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items()) for n in ray.nodes() if n.get("Alive")
+    )
+
+
+def _autoscaling() -> bool:
+    """Whether an autoscaler may still add nodes to this cluster.
+
+    A cluster from `ray.init()` or `ray start` runs Ray's monitor with its
+    read-only node provider, whose node types are the nodes' own ids
+    ("node_<id>"); a cluster launcher or KubeRay autoscaler names its types.
+    When we cannot tell (no status published yet, another autoscaler
+    version), we assume it may scale: waiting, bounded by
+    placement_timeout_s, is safer than refusing a cluster that could grow.
+    """
+    import json
+
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        status = json.loads(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS))
+        types = status["autoscaler_report"]["node_type_mapping"]
+    except Exception:
+        return True
+    return not types or any(kind != f"node_{node}" for node, kind in types.items())
 
 
 def _placeable(bundle: dict[str, float]) -> int:

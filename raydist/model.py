@@ -59,6 +59,10 @@ class DistModel:
             a core per waiting process), "calls" (one actor call per rank),
             or "auto": compiled with GPUs, calls on CPUs, where ranks need
             every core (see `raydist.dispatch` and BENCHMARKS.md).
+        step_timeout_s: how long a step may take before its ranks count as
+            stuck (a collective that never returns): then `RankError`, and the
+            ranks are torn down. None: no limit. A dead rank is reported at
+            once, whatever this is.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -86,6 +90,7 @@ class DistModel:
         runtime_env: dict | None = None,
         max_in_flight: int = 2,
         dispatch: str = "auto",
+        step_timeout_s: float | None = 900.0,
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
@@ -109,21 +114,43 @@ class DistModel:
         if dispatch not in ("auto", "compiled", "calls"):
             raise ValueError(f"dispatch must be 'auto', 'compiled' or 'calls', got {dispatch!r}")
         self._compiled = dispatch == "compiled" or (dispatch == "auto" and use_gpu)
+        self._step_timeout = step_timeout_s
+        self._last_checkpoint: str | None = None  # the latest saved or loaded, for restart()
+        self._payload = payload
+        self._config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
+                                   placement_timeout_s, name, paddle_logs, runtime_env)  # fmt: skip
 
         _init_ray(num_workers, resources_per_rank, use_gpu)
-        self._group = RankGroup(
-            GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
-                        placement_timeout_s, name, paddle_logs, runtime_env)  # fmt: skip
-        )
-        self._finalizer = weakref.finalize(self, self._group.shutdown)
+        self._start()
         if loader is not None:
             loader.bind(self._group)
-        reports = self._group.run("build", ray.put(payload))
-        self._mesh = _data_mesh(reports[0]["meshes"], num_workers)
         self._inputs = self._with_layouts(self._inputs)
         self._labels = self._with_layouts(self._labels)
         if self._specs_known(self._mode):
             self._sync_mode()
+
+    def _start(self) -> None:
+        """A new group of ranks with the model built on it."""
+        self._group = RankGroup(self._config)
+        self._finalizer = weakref.finalize(self, self._group.shutdown)
+        reports = self._group.run("build", ray.put(self._payload))
+        self._mesh = _data_mesh(reports[0]["meshes"], self._config.num_workers)
+
+    def restart(self) -> None:
+        """Start a fresh group of ranks (after a failure) and restore the last checkpoint.
+
+        The last checkpoint is the one this model saved or loaded last; with
+        none, the model starts from its initial parameters again. Steps in
+        flight are dropped.
+        """
+        self._finalizer()
+        self._window = Window(self._window.size)
+        self._plans, self._rank_mode, self._specs_changed, self._pending = {}, None, True, None
+        self._start()
+        if self._specs_known(self._mode):
+            self._sync_mode()
+        if self._last_checkpoint is not None:
+            self.load(self._last_checkpoint)
 
     # -- modes -----------------------------------------------------------------
 
@@ -192,7 +219,7 @@ class DistModel:
         handles = handles_in(args)
         message = self._loader_message(args, handles) if handles else self._arrays_message(_to_arrays(args))
         plan, mode = self._plans[self._mode], self._mode
-        steps = self._group.steps(self._window.size, self._compiled)
+        steps = self._group.steps(self._window.size, self._compiled, self._step_timeout)
         nbytes = message_bytes(message)
         step = self._window.submit(
             lambda: steps.send(message, nbytes),
@@ -360,6 +387,7 @@ class DistModel:
             meta, files, step=self._window.submitted, mode=self._mode, num_workers=len(self._group),
             raydist=__version__, paddle=paddle.__version__,
         ))  # fmt: skip
+        self._last_checkpoint = path
 
     def load(self, path: str) -> None:
         """Restore parameters and optimizer state from a checkpoint `save` wrote, on any mesh.
@@ -381,6 +409,7 @@ class DistModel:
             )
         self._pending = (path, tensors)
         self._apply_pending()
+        self._last_checkpoint = path
 
     def _apply_pending(self) -> None:
         """Load what the model has of a checkpoint being restored."""
@@ -393,6 +422,28 @@ class DistModel:
             self._group.run("load_state", path, now)
         if not tensors or not self._optimizer or "train" in self._plans:
             self._pending = None  # what is left, this model will never have
+
+    def fit(
+        self,
+        loader: ShardDataloader,
+        epochs: int = 1,
+        steps: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | None = None,
+        max_failures: int = 0,
+        progress: bool = True,
+    ) -> list[float]:
+        """Train on ``loader`` for ``epochs`` (or ``steps``), surviving up to ``max_failures`` rank failures.
+
+        Shows a progress bar (loss, steps/s); saves a checkpoint to
+        ``checkpoint_dir/step-NNNNNNNN`` every ``checkpoint_every`` steps; on a
+        `RankError` restarts the ranks, restores the latest checkpoint and
+        resumes the data where it stood. Returns the loss of every step.
+        See `raydist.fit`.
+        """
+        from .fit import fit
+
+        return fit(self, loader, epochs, steps, checkpoint_every, checkpoint_dir, max_failures, progress)
 
     # -- lifetime --------------------------------------------------------------
 

@@ -1,0 +1,116 @@
+"""fit(): a training loop that survives a dead rank; stuck steps time out; placement errors."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import paddle
+import pytest
+
+import raydist
+from models import Reference, adamw, assert_close, batches, build
+from test_data import Pairs
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+
+MESH = paddle.distributed.ProcessMesh([0, 1], dim_names=["dp"])
+
+
+class KillOnce(Pairs):
+    """Kills the process that reads row ``row``, the first time only (a marker file remembers)."""
+
+    def __init__(self, n, row, marker):
+        super().__init__(n)
+        self.row, self.marker = row, marker
+
+    def __getitem__(self, i):
+        if i == self.row and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def fit_run(dataset, tmp, **kwargs):
+    loader = raydist.shard_dataloader(dataset, MESH, shard_dims="dp", batch_size=8, shuffle=True, seed=3,
+                                      prefetch=2)  # fmt: skip
+    with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2) as dm:
+        history = dm.fit(loader, epochs=2, checkpoint_every=3, checkpoint_dir=str(tmp), progress=False, **kwargs)
+        return history, dm.state_dict("all")
+
+
+def test_fit_survives_a_killed_rank_and_ends_where_an_undisturbed_run_does(tmp_path):
+    calm_history, calm_state = fit_run(Pairs(48), tmp_path / "calm")
+    assert len(calm_history) == 12  # 2 epochs of 6 steps
+    marker = tmp_path / "killed"
+    history, state = fit_run(KillOnce(48, row=37, marker=str(marker)), tmp_path / "hurt", max_failures=1)
+    assert marker.exists()  # a rank did die
+    assert_close(history, calm_history, rtol=0, atol=0, what="losses")
+    for name, value in calm_state.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    assert sorted(os.listdir(tmp_path / "hurt"))[0] == "step-00000000"
+
+
+def test_fit_gives_up_after_max_failures(tmp_path):
+    loader = raydist.shard_dataloader(KillOnce(48, 5, str(tmp_path / "m")), MESH, shard_dims="dp", batch_size=8)
+    with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2) as dm:
+        with pytest.raises(raydist.RankError) as info:
+            dm.fit(loader, epochs=1, progress=False)
+        assert info.value.died
+        with pytest.raises(ValueError, match="checkpoint_dir"):
+            dm.fit(loader, max_failures=1)
+
+
+def test_restart_after_a_killed_rank_restores_the_last_checkpoint(tmp_path):
+    data, ref = batches(4), Reference(adamw())
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2) as dm:
+        for x, y in data[:2]:
+            assert_close(dm(x, y), ref.train(x, y))
+        dm.save(str(tmp_path / "ckpt"))
+        float(dm(*data[3]))  # a step the checkpoint does not have
+        old = list(dm._group.pids)
+        os.kill(old[0], signal.SIGKILL)
+        with pytest.raises(raydist.RankError):
+            float(dm(*data[3]))
+        dm.restart()
+        assert not set(old) & set(dm._group.pids)
+        for x, y in data[2:]:  # AdamW's moments came back too, or these would differ
+            assert_close(dm(x, y), ref.train(x, y))
+        for name, value in ref.params().items():
+            assert_close(dm.state_dict("param")[name], value, what=name)
+
+
+class Stall(Pairs):
+    def __getitem__(self, i):
+        if i == 9:
+            time.sleep(3600)
+        return super().__getitem__(i)
+
+
+def test_a_step_that_never_finishes_times_out():
+    loader = raydist.shard_dataloader(Stall(32), MESH, shard_dims="dp", batch_size=8, prefetch=1)
+    with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2,
+                           step_timeout_s=5) as dm:  # fmt: skip
+        pids = list(dm._group.pids)
+        start = time.monotonic()
+        with pytest.raises(raydist.RankError, match="within 5"):
+            for batch in loader():
+                float(dm(*batch))
+        assert time.monotonic() - start < 30
+    from test_failures import wait_gone
+
+    wait_gone(pids)
+
+
+def test_a_rank_no_node_can_hold_fails_at_once():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="no node of this cluster can hold"):
+        raydist.to_static(build("dp"), num_workers=2, resources_per_rank={"CPU": 1000})
+    assert time.monotonic() - start < 20
+
+
+def test_waiting_for_resources_says_what_is_missing():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"waiting for 9 x \{'CPU': 1.0\}: 8 placeable"):
+        raydist.to_static(build("dp"), num_workers=9, placement_timeout_s=3)
+    assert time.monotonic() - start < 30
