@@ -18,6 +18,8 @@ from .group import GroupConfig, RankGroup
 from .specs import TensorSpec, from_input_spec, spec_of
 from .dispatch import message_bytes
 from .steps import Loss, Window
+from .strategy import check as check_strategy
+from .strategy import micro_batches
 from .topology import Mesh, data_layout
 
 log = logging.getLogger("raydist")
@@ -93,6 +95,8 @@ class DistModel:
         step_timeout_s: float | None = 900.0,
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
+        check_strategy(strategy, use_gpu)
+        self._strategy = strategy
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
         if inputs is None and loader is not None:  # as Paddle: the last column is the label
             specs = loader.specs()
@@ -268,7 +272,7 @@ class DistModel:
             )
         for i, (spec, g) in enumerate(zip(specs, given)):
             spec.check(g, "label" if i >= len(inputs) else "input")
-            _check_divides(spec, g.shape)
+            _check_divides(spec, g.shape, micro_batches(self._strategy, mode))
         if not all(s.complete for s in specs):  # dims an input_spec left open
             inputs = [s.resolved(g) for s, g in zip(inputs, given)]
             if mode != "predict":
@@ -567,7 +571,7 @@ def _to_arrays(args: Sequence[Any]) -> list[np.ndarray]:
     return out
 
 
-def _check_divides(spec: TensorSpec, shape: tuple[int, ...]) -> None:
+def _check_divides(spec: TensorSpec, shape: tuple[int, ...], micro_batches: int) -> None:
     layout = spec.layout
     for d, m in enumerate(layout.dims_mapping):
         if m >= 0 and shape[d] % layout.mesh.shape[m]:
@@ -575,6 +579,14 @@ def _check_divides(spec: TensorSpec, shape: tuple[int, ...]) -> None:
                 f"the global batch of {spec.name!r} has {shape[d]} rows along dim {d}, which does not "
                 f"divide by the {layout.mesh.shape[m]} ranks of mesh dim {layout.mesh.dim_names[m]!r} "
                 "(the data-parallel degree)"
+            )
+    if micro_batches > 1 and shape:
+        split = layout.mesh.shape[layout.dims_mapping[0]] if layout.dims_mapping and layout.dims_mapping[0] >= 0 else 1
+        if (shape[0] // split) % micro_batches:
+            raise ValueError(
+                f"the global batch of {spec.name!r} has {shape[0]} rows, {shape[0] // split} per rank, which do "
+                f"not divide into the strategy's {micro_batches} micro-batches (gradient_merge.k_steps or "
+                "pipeline.accumulate_steps)"
             )
 
 

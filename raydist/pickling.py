@@ -6,6 +6,7 @@ importable on the workers; installed packages are.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from typing import Any
@@ -20,12 +21,32 @@ def dumps(obj: Any, what: str) -> bytes:
         if module is not None and _is_local(module):
             cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(obj)
+        buffer = io.BytesIO()
+        _Pickler(buffer).dump(obj)
+        return buffer.getvalue()
     except Exception as e:
         raise TypeError(f"{what} cannot be pickled for the ranks: {e}") from e
 
 
 loads = cloudpickle.loads
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    """cloudpickle, plus Paddle's ProcessMesh (which does not pickle), so a
+    builder may use a mesh made on the driver."""
+
+    def reducer_override(self, obj):
+        from paddle.distributed import ProcessMesh
+
+        if isinstance(obj, ProcessMesh):
+            return _process_mesh, (obj.mesh.tolist(), list(obj.dim_names))
+        return super().reducer_override(obj)
+
+
+def _process_mesh(mesh: list, dim_names: list):
+    from paddle.distributed import ProcessMesh
+
+    return ProcessMesh(mesh, dim_names=dim_names)
 
 
 def _walk(obj):

@@ -167,6 +167,10 @@ class RankActor:
                 raise UsageError(
                     f"optimizer must return a paddle.optimizer.Optimizer, it returned {type(optimizer).__name__}"
                 )
+        if optimizer is not None:
+            from .compat.engine import shard_by_strategy
+
+            optimizer = shard_by_strategy(optimizer, strategy, layer.parameters())
         self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
         return {"meshes": meshes}
 

@@ -19,6 +19,7 @@ from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static.dist_input_spec import DistributedInputSpec
 
 from .compat import engine as compat_engine
+from .strategy import micro_batches
 from .specs import TensorSpec
 from .topology import Layout, Mesh, ModePlan
 
@@ -53,14 +54,19 @@ def _reduce_name(reduce_type) -> str:
     return _REDUCE_NAMES.get(int(getattr(reduce_type, "value", reduce_type)), str(reduce_type))
 
 
-def paddle_spec(spec: TensorSpec) -> DistributedInputSpec:
+def paddle_spec(spec: TensorSpec, micro_batches: int = 1) -> DistributedInputSpec:
+    """Paddle's spec of a GLOBAL input; programs that split batches into
+    ``micro_batches`` (gradient merge, pipelines) are built for one micro-batch,
+    as Paddle's ``Engine._validate_spec`` does."""
     mesh = dist.ProcessMesh(np.array(spec.layout.mesh.process_ids).reshape(spec.layout.mesh.shape).tolist(),
                             dim_names=list(spec.layout.mesh.dim_names))  # fmt: skip
     placements = [dist.Replicate() for _ in spec.layout.mesh.shape]
     for tensor_dim, mesh_dim in enumerate(spec.layout.dims_mapping):
         if mesh_dim >= 0:
             placements[mesh_dim] = dist.Shard(tensor_dim)
-    return DistributedInputSpec(list(spec.shape), spec.dtype, spec.name, mesh=mesh, placements=placements)
+    shape = list(spec.shape)
+    shape[0] //= micro_batches
+    return DistributedInputSpec(shape, spec.dtype, spec.name, mesh=mesh, placements=placements)
 
 
 class StaticRunner:
@@ -82,20 +88,23 @@ class StaticRunner:
     def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
         """The global specs of inputs and labels (labels may come later, before train/eval)."""
         self.specs = (inputs, labels)
-        self.engine._inputs_spec = [paddle_spec(s) for s in inputs]
-        self.engine._labels_spec = [paddle_spec(s) for s in labels]
+
 
     def set_mode(self, mode: str) -> ModePlan:
         if mode not in self._plans:
+            micro = micro_batches(self.engine._strategy, mode)
+            inputs, labels = self.specs
+            self.engine._inputs_spec = [paddle_spec(s, micro) for s in inputs]
+            self.engine._labels_spec = [paddle_spec(s, micro) for s in labels]
             names = compat_engine.build(self.engine, mode, first=not self._plans)
             dist_program = self.engine._pir_dist_main_progs[mode]
-            dense_program = self.engine._pir_dense_main_progs[mode]
             values = [dist_program.get_output_value_by_name(n) for n in names]
-            self._fetch[mode] = [dense_program.get_output_value_by_name(n) for n in names]
+            fetch_program = compat_engine.fetch_program(self.engine, mode)
+            self._fetch[mode] = [fetch_program.get_output_value_by_name(n) for n in names]
             specs = self.engine._inputs_spec + ([] if mode == "predict" else self.engine._labels_spec)
             self._feed[mode] = [s.name for s in specs]
             self._plans[mode] = ModePlan([layout_of_value(v) for v in values])
-        self.engine.to_mode(mode)
+        compat_engine.use_mode(self.engine, mode)
         self.mode = mode
         return self._plans[mode]
 

@@ -169,3 +169,76 @@ def test_collectives_defect_dp_replicas_drift_without_the_fix():
         params = dm.state_dict("param")
     worst = max(np.abs(params[k] - v).max() for k, v in ref.params().items())
     assert worst > 1e-3, "dp x mp is exact without raydist's collectives fix: Paddle fixed the defect"
+
+
+def test_engine_defect_5_eval_after_gradient_merge_runs_the_train_plan():
+    out = run_plain_paddle(
+        SINGLE_PROCESS_MODEL
+        + """
+    import numpy as np
+    strategy = dist.Strategy()
+    strategy.gradient_merge.enable, strategy.gradient_merge.k_steps = True, 2
+    dm = dist.to_static(net, None, paddle.nn.MSELoss(), paddle.optimizer.SGD(0.1, parameters=net.parameters()),
+                        strategy, input_spec=spec)
+    dm.train(); dm(x, y)
+    before = np.array(dm.state_dict("param")["weight"])
+    dm.eval(); losses = dm(x, y)
+    change = np.abs(np.array(dm.state_dict("param")["weight"]) - before).max()
+    print("eval losses:", np.size(losses), "weight change:", change > 1e-3)
+    """
+    )
+    assert "eval losses: 2 weight change: True" in out
+
+
+def test_engine_defect_6_the_strategys_sharding_section_is_ignored():
+    from paddle.distributed.auto_parallel.static import engine
+
+    import inspect
+
+    source = inspect.getsource(engine.Engine._parallel_pir)
+    assert "_strategy.sharding." not in source  # (only "sharding_optimization", in a comment-only branch)
+    assert "# dist_program = apply_sharding_optimization_pass" in source
+
+
+def test_refusal_amp_cpu_has_no_half_precision_matmul():
+    for dtype in ("float16", "bfloat16"):
+        x = paddle.ones([2, 2]).astype(dtype)
+        with pytest.raises(Exception, match="kernel `matmul` is not registered"):
+            paddle.matmul(x, x)
+    with pytest.warns(UserWarning, match="makes no effect"):
+        with paddle.amp.auto_cast(dtype="bfloat16"):
+            pass
+
+
+def test_refusal_mp_optimization_passes_need_fleets_hybrid_group():
+    out = run_plain_paddle(
+        """
+        from paddle.distributed.passes import new_pass
+        for name in ("replace_with_parallel_cross_entropy",):
+            try:
+                new_pass(name, {}).apply([], [], None)
+                print(name, "ran")
+            except Exception as e:
+                print(name, type(e).__name__, "_hcg" in str(e))
+        """
+    )
+    assert "replace_with_parallel_cross_entropy AttributeError True" in out, out
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+def test_collectives_defect_gloo_has_no_reduce_scatter():
+    """Sharding needs reduce-scatter: without raydist's op, Paddle has no CPU kernel for it."""
+    import paddle.distributed as dist
+
+    import raydist
+    from models import adamw, build
+
+    def sharded(params):
+        return dist.shard_optimizer(adamw()(params), dist.ShardingStage1("dp", dist.ProcessMesh([0, 1], ["dp"])))
+
+    env = {"env_vars": {compat.DISABLE_ENV: "collectives"}}
+    with pytest.raises(raydist.RankError, match="Unimplemented cpu kernel for CReduceScatterOp"):
+        with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sharded, num_workers=2,
+                               runtime_env=env) as dm:  # fmt: skip
+            dm(np.ones([8, 12], "float32"), np.ones([8, 6], "float32"))

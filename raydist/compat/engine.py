@@ -18,12 +18,25 @@ Paddle 3.3.1 defects answered here (``paddle/distributed/auto_parallel/api.py``
 3. ``Engine._loss_names`` is overwritten by the last mode built, so the loss
    fetched in train after building eval or predict is the wrong one or none.
    Fix: `build` returns the names to fetch per mode, right after that mode is built.
+5. ``Engine._job_plan`` (the jobs of gradient merge and pipelines: forward and
+   backward per micro-batch, then optimize) is one per engine and is set on the
+   executor once: a mode built after a gradient-merge train keeps train's plan,
+   so eval updates the parameters (measured: eval after one merged train step
+   changed a weight by 0.13) and returns k losses. Fix: `build` takes each
+   mode's plan from the engine, and `use_mode` puts the mode's own plan (or
+   none) on the executor; the values to fetch come from the plan's programs.
+6. The Strategy's ``sharding`` section (``enable``, ``stage``, ``degree``) has
+   no effect in PIR mode: ``Engine._parallel_pir`` never reads it (its
+   sharding pass is commented out); only ``dist.shard_optimizer`` shards.
+   Fix: `shard_by_strategy` wraps the optimizer in ``dist.shard_optimizer``
+   with ``ShardingStage{stage}`` along the mesh dim "dp" (else the first).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import paddle
+import paddle.distributed as dist
 from paddle.distributed.auto_parallel.static import engine as _engine
 from paddle.distributed.auto_parallel.static import helper as _helper
 
@@ -67,10 +80,55 @@ def build(engine, mode: str, *, first: bool) -> list[str]:
         engine._labels_spec = labels
         engine.__dict__.pop("_initialize", None)
         paddle.disable_static()
+        plans = engine.__dict__.setdefault("_raydist_plans", {})
+        plans[mode], engine._job_plan = engine._job_plan, None
     if mode == "predict":
         return list(engine.program_helper.proxy_layer._raydist_output_names)
     loss = engine._loss_names
     return [loss] if isinstance(loss, str) else list(loss)[:1]
+
+
+def shard_by_strategy(optimizer, strategy, parameters):
+    """The optimizer, sharded as ``strategy.sharding`` asks (defect 6)."""
+    from paddle.distributed.auto_parallel.api import _ShardOptimizer
+
+    from ..errors import UsageError
+
+    section = strategy.sharding if strategy is not None else None
+    if not _applied or section is None or not section.enable or isinstance(optimizer, _ShardOptimizer):
+        return optimizer
+    mesh = next((p.process_mesh for p in parameters if p.is_dist()), None)
+    if mesh is None:
+        raise UsageError("strategy.sharding needs a model whose parameters are on a mesh (dist.shard_tensor)")
+    mesh = dist.ProcessMesh(np.array(mesh.process_ids).reshape(mesh.shape).tolist(), dim_names=list(mesh.dim_names))
+    dim = "dp" if "dp" in mesh.dim_names else mesh.dim_names[0]
+    size = mesh.get_dim_size(dim)
+    if section.degree not in (size, _DEFAULT_SHARDING_DEGREE):
+        raise UsageError(f"strategy.sharding.degree is {section.degree}, but mesh dim {dim!r} has {size} ranks")
+    stages = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}
+    if section.stage not in stages:
+        raise UsageError(f"strategy.sharding.stage must be 1, 2 or 3, got {section.stage}")
+    return dist.shard_optimizer(optimizer, stages[section.stage](dim, mesh))
+
+
+_DEFAULT_SHARDING_DEGREE = 8  # Strategy's default: taken as "the mesh dim's size"
+
+
+def use_mode(engine, mode: str) -> None:
+    """Enter ``mode`` (built): Paddle's mode, and this mode's job plan on the executor."""
+    engine.to_mode(mode)
+    engine._executor._set_plan(engine._raydist_plans[mode])
+
+
+def fetch_program(engine, mode: str):
+    """The program whose values a step of ``mode`` fetches: the dense program, or,
+    with a job plan, the job that computes the loss (as ``Engine.run`` picks it)."""
+    plan = engine._raydist_plans[mode]
+    if plan is None:
+        return engine._pir_dense_main_progs[mode]
+    pipeline = engine._strategy.pipeline
+    job = f"forward{pipeline.vpp_degree - 1}" if pipeline.enable and pipeline.schedule_mode == "VPP" else "forward"
+    return plan.ir_program(job)
 
 
 def program(engine, kind: str, mode: str):
@@ -127,10 +185,13 @@ def apply() -> None:
     if _applied:
         return
     expect_source(_engine.Engine._initialize, 'if mode != "train":', fix="engine")
+    expect_source(_engine.Engine._initialize, "self._executor._set_plan(self._job_plan)", fix="engine")
+    expect_source(_engine.Engine.run, 'loss_job_type = f"forward{vpp_degree - 1}"', fix="engine")
     expect_source(_engine.Engine.get_dist_main_program, "self._pir_dist_main_progs[self._mode]", fix="engine")
     expect_source(_helper.ProxyLayer._predict, "self._output_vars[mode] = self.inner_layer(*inputs)", fix="engine")
     from paddle.distributed.auto_parallel.api import DistModel
 
+    expect_source(_engine.Engine._parallel_pir, "# dist_program = apply_sharding_optimization_pass", fix="engine")
     expect_source(DistModel._build_distributed_state_dict, 'len(dist_attr["dims_mapping"])', fix="engine")
     _helper.ProxyLayer._predict = _predict
     _applied = True

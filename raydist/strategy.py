@@ -1,0 +1,72 @@
+"""What raydist does with a ``paddle.distributed.Strategy``, decided at the driver.
+
+Paddle 3.3.1's static engine (PIR mode, the default) uses the Strategy's
+``amp``, ``recompute``, ``gradient_merge``, ``pipeline``,
+``mp_optimization`` and ``fused_passes`` sections, and ignores
+``dp_optimization`` and ``sp_optimization``; raydist applies ``sharding``
+itself (see `raydist.compat.engine`). Some sections cannot run on CPU: those
+are refused here, before any rank starts, with the reason, instead of
+segfaulting or silently training something else. The facts behind each
+refusal are canaries in ``tests/test_compat.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from .errors import UsageError
+
+# Sections of Strategy's config dict (Strategy({...}) ignores unknown ones silently).
+SECTIONS = {
+    "sharding", "gradient_merge", "pipeline", "amp", "fused_passes", "recompute", "mp_optimization",
+    "dp_optimization", "sp_optimization", "full_graph", "auto_mode", "gradient_scale",
+    "gradient_scale_using_allreduce_avg", "use_cache", "return_numpy", "all_ranks", "split_data", "seed", "reinit",
+}  # fmt: skip
+
+
+def check(strategy: Any, use_gpu: bool) -> None:
+    """Refuse what cannot run on this device; warn about what Paddle ignores."""
+    if strategy is None:
+        return
+    unknown = sorted(set(getattr(strategy, "_config_dict", None) or {}) - SECTIONS)
+    if unknown:
+        warnings.warn(f"Paddle ignores these Strategy sections, which it does not know: {unknown}", stacklevel=3)
+    if strategy._dp_optimization.enable:
+        warnings.warn("Paddle 3.3.1's static engine (PIR) ignores strategy.dp_optimization", stacklevel=3)
+    if use_gpu:
+        return
+    if strategy.pipeline.enable:
+        raise UsageError(
+            "strategy.pipeline is not supported on CPU: Paddle's CPU send/recv kernels are stubs (a 2-stage "
+            "pipeline segfaults), and gloo's broadcast cannot stand in for them soundly (1F1B and VPP send "
+            "both ways at once). Run pipelines with use_gpu=True, or use dp/mp/sharding on CPU."
+        )
+    if strategy.amp.enable:
+        raise UsageError(
+            f"strategy.amp ({strategy.amp.dtype}) is not supported on CPU: Paddle 3.3.1's CPU build has no "
+            "float16 or bfloat16 matmul kernel, and paddle.amp.auto_cast turns AMP off on CPU without an "
+            "error, so the model would train in float32. Run AMP with use_gpu=True."
+        )
+    mp = strategy._mp_optimization
+    for option in ("replace_with_c_embedding", "replace_with_parallel_cross_entropy"):
+        if getattr(mp, option):
+            raise UsageError(
+                f"strategy mp_optimization.{option} is not supported on CPU: Paddle's pass needs fleet's "
+                "hybrid communicate group (fleet.init), which DistModel does not create, and its c_* ops "
+                "have no gloo kernels."
+            )
+
+
+def micro_batches(strategy: Any, mode: str) -> int:
+    """How many micro-batches a step of ``mode`` splits each rank's batch into.
+
+    Gradient merge splits train steps into ``k_steps``; a pipeline splits
+    every step into ``accumulate_steps`` (Paddle's ``Engine._acc_steps``).
+    """
+    if strategy is None:
+        return 1
+    merge, pipeline = strategy.gradient_merge, strategy.pipeline
+    if merge.enable and (mode == "train" or pipeline.enable):
+        return int(merge.k_steps)
+    return int(pipeline.accumulate_steps) if pipeline.enable else 1
