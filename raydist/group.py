@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import re
 import time
 import uuid
@@ -73,8 +75,13 @@ class GroupConfig:
 class RankGroup:
     """``num_workers`` rank actors that form one Paddle process group."""
 
-    def __init__(self, config: GroupConfig):
+    def __init__(self, config: GroupConfig, join: bool = True):
+        """``join``: the actors join the Paddle process group themselves (DistModel);
+        if False, each rank's environment is left in ``envs`` for a process the
+        actor starts (`raydist.launch`)."""
         self.config = config
+        self.join = join
+        self.envs: list[dict[str, str]] = []
         self.actors: list = []
         self.places: list[RankPlace] = []
         self.pids: list[int] = []
@@ -171,8 +178,10 @@ class RankGroup:
         own_ports = self.gather([a.free_port.remote() for a in self.actors], "rendezvous")
         endpoints = [f"{p.node_ip}:{q}" for p, q in zip(self.places, own_ports)]
         master = f"{self.places[0].node_ip}:{port}"
-        envs = [paddle_env(r, self.places, endpoints, master, use_gpu=self.config.use_gpu) for r in range(len(self))]
-        self.fixes = self.gather([a.setup.remote(e, self.config.use_gpu, self.config.paddle_logs) for a, e in zip(self.actors, envs)], "setup")[0]
+        self.envs = [paddle_env(r, self.places, endpoints, master, use_gpu=self.config.use_gpu) for r in range(len(self))]
+        if self.join:
+            setups = [a.setup.remote(e, self.config.use_gpu, self.config.paddle_logs) for a, e in zip(self.actors, self.envs)]
+            self.fixes = self.gather(setups, "setup")[0]
 
     # -- calls -----------------------------------------------------------------
 
@@ -322,6 +331,22 @@ def _task_traceback(e: ray.exceptions.RayTaskError) -> str:
 
 
 _PLACEMENT_POLL_S = 2.0
+
+
+def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -> bool:
+    """Connect to Ray if needed: to the cluster of ``RAY_ADDRESS`` (as under `ray job
+    submit`), else a new local Ray with enough logical CPUs for the ranks.
+    Returns whether this started (or connected) Ray, so the caller can stop it."""
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return True
+    cpus = (resources_per_rank or {}).get("CPU", 0 if use_gpu else 1)
+    num_cpus = max(os.cpu_count() or 1, int(math.ceil(num_workers * cpus)))
+    log.info("starting a local Ray instance with %d CPUs", num_cpus)
+    ray.init(num_cpus=num_cpus)
+    return True
 
 
 def _death_cause(e: ray.exceptions.RayActorError) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,7 +13,7 @@ import ray
 
 from . import pickling
 from .data import Handle, ShardDataloader, handles_in
-from .group import GroupConfig, RankGroup
+from .group import GroupConfig, RankGroup, init_ray
 from .specs import TensorSpec, from_input_spec, spec_of
 from .dispatch import message_bytes
 from .steps import Loss, Window
@@ -124,7 +123,7 @@ class DistModel:
         self._config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
                                    placement_timeout_s, name, paddle_logs, runtime_env)  # fmt: skip
 
-        _init_ray(num_workers, resources_per_rank, use_gpu)
+        init_ray(num_workers, resources_per_rank, use_gpu)
         self._start()
         if loader is not None:
             loader.bind(self._group)
@@ -539,15 +538,6 @@ def _num_workers(num_workers: int | None, specs: list[TensorSpec]) -> int:
             f"input_spec's mesh uses processes up to {max(spec_ranks)}, but num_workers={num_workers}"
         )
     return num_workers
-
-
-def _init_ray(num_workers: int, resources_per_rank, use_gpu: bool) -> None:
-    if ray.is_initialized():
-        return
-    cpus = (resources_per_rank or {}).get("CPU", 0 if use_gpu else 1)
-    num_cpus = max(os.cpu_count() or 1, int(np.ceil(num_workers * cpus)))
-    log.info("starting a local Ray instance with %d CPUs", num_cpus)
-    ray.init(num_cpus=num_cpus)
 
 
 def _data_mesh(meshes: list[Mesh], num_workers: int) -> Mesh:

@@ -251,6 +251,56 @@ class RankActor:
 
         self.runner.set_state(assemble(directory, tensors), self.rank)
 
+    # -- raydist launch: a script in a process of its own -----------------------------
+
+    @ray.method(num_returns="streaming")
+    def run_script(self, env: dict[str, str], path: str, source: str, args: list[str], cwd: str,
+                   paddle_logs: bool = False):  # fmt: skip
+        """Run an SPMD script as this rank (see `raydist.launch`), in a child process
+        that dies with this actor. Yields ("out" | "err", line) as the script
+        prints, then ("exit", status)."""
+        import queue
+        import subprocess
+        import sys
+        import tempfile
+
+        if not (os.path.isfile(path) and open(path, encoding="utf-8").read() == source):
+            path = os.path.join(tempfile.mkdtemp(prefix="raydist-launch-"), os.path.basename(path))
+            with open(path, "w", encoding="utf-8") as f:  # another node: the driver's copy
+                f.write(source)
+        child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        if not paddle_logs:
+            child_env.setdefault("GLOG_minloglevel", QUIET_GLOG_LEVEL)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "raydist.spmd", path, *args], env=child_env,
+            cwd=cwd if os.path.isdir(cwd) else os.path.dirname(path),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        lines: queue.Queue = queue.Queue()
+
+        def pump(stream, kind):
+            for line in stream:
+                lines.put((kind, line.rstrip("\n")))
+            lines.put(None)
+
+        for stream, kind in ((child.stdout, "out"), (child.stderr, "err")):
+            threading.Thread(target=pump, args=(stream, kind), daemon=True).start()
+        open_streams, in_flags_dump = 2, False
+        while open_streams:
+            item = lines.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if not paddle_logs and item[0] == "err":  # init_parallel_env lists every non-default FLAG
+                if "Modified FLAGS detected" in item[1]:
+                    in_flags_dump = True
+                    continue
+                if in_flags_dump:
+                    in_flags_dump = not item[1].startswith("=====")
+                    continue
+            yield item
+        yield ("exit", child.wait())
+
     # -- a ShardDataloader's data: a thread of its own, beside the steps -------------
 
     @ray.method(concurrency_group="data")
@@ -286,3 +336,14 @@ class RankActor:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                 "device": self.device, "mode": getattr(self.runner, "mode", None), "peak_rss_mib": peak}  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """In a child process: be killed when the rank actor dies (Linux), so no script outlives its rank."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux
+        pass
