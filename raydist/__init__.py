@@ -12,6 +12,7 @@ switches modes, sends batches and gathers results::
 from .data import Handle, ShardDataloader, shard_dataloader
 from .errors import GroupShutdownError, RankError, UsageError
 from .model import DistModel, to_static
+from .status import RankStatus, status
 from .steps import Loss
 
 __version__ = "0.1.0"
@@ -22,8 +23,10 @@ __all__ = [
     "Handle",
     "Loss",
     "RankError",
+    "RankStatus",
     "ShardDataloader",
     "UsageError",
     "shard_dataloader",
+    "status",
     "to_static",
 ]

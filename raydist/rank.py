@@ -331,8 +331,10 @@ class RankActor:
         stats, self.stats = self.stats, StepStats()
         return {"starts": list(stats.starts), "wait": stats.wait, "rows": stats.rows}
 
+    @ray.method(concurrency_group="data")
     def status(self) -> dict:
-        """Who and where this rank is, its mode and its peak memory (resident, MiB)."""
+        """Who and where this rank is, its mode and its peak memory (resident, MiB).
+        On the data thread: answers while a step runs."""
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                 "device": self.device, "mode": getattr(self.runner, "mode", None), "peak_rss_mib": peak}  # fmt: skip

@@ -35,6 +35,18 @@ def test_named_actors_and_shutdown_by_with():
         ray.get_actor("rdtest-rank-0")
 
 
+def test_status_lists_the_live_ranks():
+    data = batches(1)
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                           name="rdstatus") as dm:  # fmt: skip
+        float(dm(*data[0]))
+        mine = [s for s in raydist.status() if s.group == "rdstatus"]
+        assert [(s.rank, s.pid, s.device, s.mode) for s in mine] == [(0, dm._group.pids[0], "cpu", "train"),
+                                                                     (1, dm._group.pids[1], "cpu", "train")]
+        assert all(s.node_ip == ray.util.get_node_ip_address() for s in mine)
+    assert not [s for s in raydist.status() if s.group == "rdstatus"]
+
+
 def test_garbage_collection_shuts_the_group_down():
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
     pids, pg = list(dm._group.pids), dm._group._pg

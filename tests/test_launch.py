@@ -55,6 +55,17 @@ def test_a_script_runs_on_every_rank_with_paddles_environment(tmp_path):
     assert "Modified FLAGS" not in err  # Paddle's noise is quiet by default
 
 
+def test_paddles_glog_lines_are_quiet_unless_asked_for(tmp_path):
+    script = tmp_path / "spmd.py"
+    script.write_text(SPMD)
+    glog = re.compile(r"^\[rank 0\] I\d{4} .*tcp_store", re.M)  # e.g. "I1201 03:57:18.80 ... tcp_store.cc:336]"
+    out, err = io.StringIO(), io.StringIO()
+    assert launch(str(script), [], 2, paddle_logs=True, stdout=out, stderr=err) == 0
+    assert glog.search(err.getvalue()) and "Modified FLAGS" in err.getvalue()
+    status, _, err = run(script)
+    assert status == 0 and not glog.search(err)
+
+
 def test_a_failing_rank_fails_the_launch_and_stops_the_others(tmp_path):
     script = tmp_path / "spmd.py"
     script.write_text(SPMD)
