@@ -13,12 +13,13 @@ import ray
 
 from . import pickling
 from .data import Handle, ShardDataloader, handles_in
+from .errors import UsageError
 from .group import GroupConfig, RankGroup, init_ray
 from .specs import TensorSpec, from_input_spec, spec_of
 from .dispatch import message_bytes
 from .steps import Loss, Window
 from .strategy import check as check_strategy
-from .strategy import micro_batches
+from .strategy import check_meshes, micro_batches
 from .topology import Mesh, data_layout
 
 log = logging.getLogger("raydist")
@@ -137,6 +138,11 @@ class DistModel:
         self._group = RankGroup(self._config)
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         reports = self._group.run("build", ray.put(self._payload))
+        try:
+            check_meshes(reports[0]["meshes"], self._config.use_gpu)
+        except UsageError:
+            self._group.shutdown()
+            raise
         self._mesh = _data_mesh(reports[0]["meshes"], self._config.num_workers)
 
     def restart(self) -> None:

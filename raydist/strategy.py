@@ -58,6 +58,22 @@ def check(strategy: Any, use_gpu: bool) -> None:
             )
 
 
+def check_meshes(meshes: list, use_gpu: bool) -> None:
+    """Refuse, on CPU, a model whose parameters live on disjoint meshes (pipeline stages):
+    moving activations between them takes Paddle's send/recv, whose CPU kernels
+    are stubs. ``meshes``: `raydist.topology.Mesh` of the layer's parameters."""
+    if use_gpu:
+        return
+    for i, a in enumerate(meshes):
+        for b in meshes[i + 1:]:
+            if not set(a.process_ids) & set(b.process_ids):
+                raise UsageError(
+                    f"the model's parameters are on disjoint meshes (processes {list(a.process_ids)} and "
+                    f"{list(b.process_ids)}: pipeline stages), which is not supported on CPU: moving activations "
+                    "between them takes Paddle's send/recv, whose CPU kernels are stubs. Run it with use_gpu=True."
+                )
+
+
 def micro_batches(strategy: Any, mode: str) -> int:
     """How many micro-batches a step of ``mode`` splits each rank's batch into.
 

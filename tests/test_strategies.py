@@ -185,3 +185,28 @@ def test_fused_passes_leave_the_numbers_alone():
     with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), strategy=strategy,
                            num_workers=2) as dm:  # fmt: skip
         train_and_compare(dm, Reference(sgd()), batches(3))
+
+
+class TwoStages(paddle.nn.Layer):
+    """fc1 on rank 0, fc2 on rank 1: pipeline stages, without the pipeline section."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = dist.ProcessMesh([0], dim_names=["pp"]), dist.ProcessMesh([1], dim_names=["pp"])
+        self.fc1, self.fc2 = paddle.nn.Linear(12, 24), paddle.nn.Linear(24, 6)
+        for layer, mesh in ((self.fc1, self.stages[0]), (self.fc2, self.stages[1])):
+            layer.weight = dist.shard_tensor(layer.weight, mesh, [Replicate()])
+            layer.bias = dist.shard_tensor(layer.bias, mesh, [Replicate()])
+
+    def forward(self, x):
+        return self.fc2(dist.reshard(paddle.tanh(self.fc1(x)), self.stages[1], [Replicate()]))
+
+
+def test_a_model_on_disjoint_meshes_is_refused_on_cpu_and_its_ranks_stopped():
+    def live():
+        return sum(pg["state"] != "REMOVED" for pg in placement_group_table().values())
+
+    before = live()
+    with pytest.raises(raydist.UsageError, match=r"disjoint meshes .*send/recv"):
+        raydist.to_static(TwoStages, loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
+    assert live() == before
