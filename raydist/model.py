@@ -20,7 +20,7 @@ from .dispatch import message_bytes
 from .steps import Loss, Window
 from .strategy import check as check_strategy
 from .strategy import check_meshes, micro_batches
-from .topology import Mesh, data_layout
+from .topology import Mesh, data_layout, stages
 
 log = logging.getLogger("raydist")
 
@@ -129,7 +129,7 @@ class DistModel:
         if loader is not None:
             loader.bind(self._group)
         self._inputs = self._with_layouts(self._inputs)
-        self._labels = self._with_layouts(self._labels)
+        self._labels = self._with_layouts(self._labels, self._label_mesh)
         if self._specs_known(self._mode):
             self._sync_mode()
 
@@ -143,7 +143,7 @@ class DistModel:
         except UsageError:
             self._group.shutdown()
             raise
-        self._mesh = _data_mesh(reports[0]["meshes"], self._config.num_workers)
+        self._mesh, self._label_mesh = _data_meshes(reports[0]["meshes"], self._config.num_workers)
 
     def restart(self) -> None:
         """Start a fresh group of ranks (after a failure) and restore the last checkpoint.
@@ -204,14 +204,15 @@ class DistModel:
             self._rank_mode = self._mode
             self._apply_pending()  # a checkpoint's tensors this mode's program brought
 
-    def _with_layouts(self, specs: list[TensorSpec] | None) -> list[TensorSpec] | None:
-        """Give specs without a layout the default data layout on the model's mesh."""
+    def _with_layouts(self, specs: list[TensorSpec] | None, mesh: Mesh | None = None) -> list[TensorSpec] | None:
+        """Give specs without a layout the default data layout on ``mesh`` (default: the inputs' mesh)."""
         if specs is None:
             return None
+        mesh = mesh or self._mesh
         shard_dims = self._shard_dims
-        if shard_dims == "dp" and "dp" not in self._mesh.dim_names:
+        if shard_dims == "dp" and "dp" not in mesh.dim_names:
             shard_dims = None
-        return [s if s.layout else s.resolved(layout=data_layout(self._mesh, shard_dims, len(s.shape))) for s in specs]
+        return [s if s.layout else s.resolved(layout=data_layout(mesh, shard_dims, len(s.shape))) for s in specs]
 
     # -- steps -----------------------------------------------------------------
 
@@ -268,7 +269,8 @@ class DistModel:
                 raise ValueError(f"{mode} takes inputs and labels: got {len(given)} argument(s)")
             inputs = self._with_layouts([_named(g, f"input{i}") for i, g in enumerate(given[:n_inputs])])
         if mode != "predict" and labels is None:
-            labels = self._with_layouts([_named(g, f"label{i}") for i, g in enumerate(given[len(inputs):])])
+            labels = self._with_layouts([_named(g, f"label{i}") for i, g in enumerate(given[len(inputs):])],
+                                        self._label_mesh)  # fmt: skip
         specs = inputs + ([] if mode == "predict" else labels)
         if len(given) != len(specs):
             what = "inputs" if mode == "predict" else "inputs and labels"
@@ -546,11 +548,21 @@ def _num_workers(num_workers: int | None, specs: list[TensorSpec]) -> int:
     return num_workers
 
 
-def _data_mesh(meshes: list[Mesh], num_workers: int) -> Mesh:
-    """The mesh batches are laid on: the layer's largest mesh, or all ranks as "dp"."""
+def _data_meshes(meshes: list[Mesh], num_workers: int) -> tuple[Mesh, Mesh]:
+    """The meshes inputs and labels are laid on by default.
+
+    Pipeline stages (disjoint meshes, in the order of the layer's
+    parameters): inputs on the first, labels on the last, as Paddle's
+    ``shard_dataloader`` lays them. Otherwise both on the layer's largest
+    mesh, or on all ranks as "dp" if the layer has no dist parameters.
+    """
     if not meshes:
-        return Mesh.of(list(range(num_workers)), ["dp"])
-    return max(meshes, key=lambda m: len(m.process_ids))
+        mesh = Mesh.of(list(range(num_workers)), ["dp"])
+        return mesh, mesh
+    if stages(meshes):
+        return meshes[0], meshes[-1]
+    mesh = max(meshes, key=lambda m: len(m.process_ids))
+    return mesh, mesh
 
 
 def _to_arrays(args: Sequence[Any]) -> list[np.ndarray]:

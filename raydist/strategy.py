@@ -16,6 +16,7 @@ import warnings
 from typing import Any
 
 from .errors import UsageError
+from .topology import stages
 
 # Sections of Strategy's config dict (Strategy({...}) ignores unknown ones silently).
 SECTIONS = {
@@ -62,16 +63,13 @@ def check_meshes(meshes: list, use_gpu: bool) -> None:
     """Refuse, on CPU, a model whose parameters live on disjoint meshes (pipeline stages):
     moving activations between them takes Paddle's send/recv, whose CPU kernels
     are stubs. ``meshes``: `raydist.topology.Mesh` of the layer's parameters."""
-    if use_gpu:
-        return
-    for i, a in enumerate(meshes):
-        for b in meshes[i + 1:]:
-            if not set(a.process_ids) & set(b.process_ids):
-                raise UsageError(
-                    f"the model's parameters are on disjoint meshes (processes {list(a.process_ids)} and "
-                    f"{list(b.process_ids)}: pipeline stages), which is not supported on CPU: moving activations "
-                    "between them takes Paddle's send/recv, whose CPU kernels are stubs. Run it with use_gpu=True."
-                )
+    if not use_gpu and stages(meshes):
+        ids = " and ".join(str(list(m.process_ids)) for m in meshes)
+        raise UsageError(
+            f"the model's parameters are on disjoint meshes (processes {ids}: pipeline stages), which is not "
+            "supported on CPU: moving activations between them takes Paddle's send/recv, whose CPU kernels are "
+            "stubs. Run it with use_gpu=True."
+        )
 
 
 def micro_batches(strategy: Any, mode: str) -> int:

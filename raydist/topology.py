@@ -160,3 +160,9 @@ def data_layout(mesh: Mesh, shard_dims: str | Iterable[str] | None, ndim: int) -
         raise ValueError("sharding the batch along more than one mesh dim is not supported yet")
     first = mesh.dim(names[0]) if names else -1
     return Layout(mesh, (first,) + (-1,) * max(ndim - 1, 0))
+
+
+def stages(meshes: Sequence[Mesh]) -> bool:
+    """Whether some of ``meshes`` share no process: pipeline stages (activations
+    cross between them by send/recv)."""
+    return any(not set(a.process_ids) & set(b.process_ids) for i, a in enumerate(meshes) for b in meshes[i + 1:])

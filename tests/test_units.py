@@ -88,3 +88,16 @@ def test_driver_imports_no_rank_code():
     code = "import raydist, sys; print(sorted(m for m in sys.modules if m.startswith(('raydist.', 'paddle'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "raydist.compat" not in out and "raydist.runner" not in out and "'paddle'" not in out
+
+
+def test_default_data_meshes_follow_pipeline_stages():
+    from raydist.model import _data_meshes
+    from raydist.topology import Mesh, stages
+
+    dpmp = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
+    sub = Mesh.of([0, 1], ["mp"])
+    assert _data_meshes([sub, dpmp], 4) == (dpmp, dpmp)  # overlapping: the largest holds both
+    first, last = Mesh.of([[0, 1]], ["dp", "mp"]), Mesh.of([[2, 3]], ["dp", "mp"])
+    assert stages([first, last]) and not stages([sub, dpmp])
+    assert _data_meshes([first, last], 4) == (first, last)  # inputs to the first stage, labels to the last
+    assert _data_meshes([], 2)[0] == Mesh.of([0, 1], ["dp"])
