@@ -96,7 +96,7 @@ class DistModel:
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics)
         check_strategy(strategy, use_gpu)
-        self._strategy = strategy
+        self._micro_batches = {mode: micro_batches(strategy, mode) for mode in MODES}
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
         if inputs is None and loader is not None:  # as Paddle: the last column is the label
             specs = loader.specs()
@@ -279,7 +279,7 @@ class DistModel:
             )
         for i, (spec, g) in enumerate(zip(specs, given)):
             spec.check(g, "label" if i >= len(inputs) else "input")
-            _check_divides(spec, g.shape, micro_batches(self._strategy, mode))
+            _check_divides(spec, g.shape, self._micro_batches[mode])
         if not all(s.complete for s in specs):  # dims an input_spec left open
             inputs = [s.resolved(g) for s, g in zip(inputs, given)]
             if mode != "predict":
@@ -419,15 +419,15 @@ class DistModel:
                 f"{path} is a checkpoint of another model: it lacks {missing} and has other shapes for {wrong}"
             )
         self._pending = (path, tensors)
-        self._apply_pending()
+        self._apply_pending(meta)
         self._last_checkpoint = path
 
-    def _apply_pending(self) -> None:
-        """Load what the model has of a checkpoint being restored."""
+    def _apply_pending(self, meta: dict | None = None) -> None:
+        """Load what the model has (``meta``, if known) of a checkpoint being restored."""
         if self._pending is None:
             return
         path, tensors = self._pending
-        meta = self._group.run("state_meta")[0]
+        meta = meta if meta is not None else self._group.run("state_meta")[0]
         now = {n: tensors.pop(n) for n in list(tensors) if n in meta}
         if now:
             self._group.run("load_state", path, now)

@@ -82,14 +82,10 @@ class RankActor:
     # -- placement and rendezvous -------------------------------------------------
 
     def place(self) -> tuple[RankPlace, int]:
-        ctx = ray.get_runtime_context()
-        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
-        return RankPlace(ctx.get_node_id(), ray.util.get_node_ip_address(), gpu_ids), os.getpid()
+        return here(), os.getpid()
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port()
 
     def port_is_free(self, port: int) -> bool:
         with socket.socket() as s:
@@ -106,29 +102,19 @@ class RankActor:
         ``paddle_logs``: keep Paddle's INFO logs (C++ glog and Python); by
         default a rank shows only warnings and errors.
         """
-        quiet = contextlib.redirect_stderr(io.StringIO()) if not paddle_logs else contextlib.nullcontext()
+        quiet = _stderr_to_nowhere if not paddle_logs else contextlib.nullcontext
         if not paddle_logs:
             os.environ.setdefault("GLOG_minloglevel", QUIET_GLOG_LEVEL)
             logging.disable(logging.INFO)
             for text in NOISE:
                 warnings.filterwarnings("ignore", message=f".*{text}")
             logging.getLogger("auto_parallel").addFilter(lambda r: not any(t in r.getMessage() for t in NOISE_LOGS))
-        os.environ.update(env)
-        with quiet, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
-            import paddle
-        import paddle.distributed as dist
-
-        from . import compat
+        fixes, self.device = join(env, use_gpu, quiet)
+        import paddle
 
         # Paddle's handler prints a C++ "FatalError" dump when a rank is
         # killed on shutdown or after a peer's failure; the death is expected.
         paddle.base.core.disable_signal_handler()
-        fixes = compat.apply(use_gpu)
-        self.device = f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu"
-        paddle.set_device(self.device)
-        with quiet:  # init_parallel_env lists every non-default FLAG on stderr
-            dist.init_parallel_env()
         from .reader import Staging
 
         place = paddle.CUDAPlace(int(env["FLAGS_selected_gpus"])) if use_gpu else paddle.CPUPlace()
@@ -349,3 +335,42 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux
         pass
+
+
+# -- joining Paddle's process group: rank actors, and Ray Train's workers (raydist.train) --
+
+
+def here() -> RankPlace:
+    """Where this Ray worker runs (node, IP, the GPUs Ray gave it)."""
+    ctx = ray.get_runtime_context()
+    return RankPlace(ctx.get_node_id(), ray.util.get_node_ip_address(), tuple(str(g) for g in ray.get_gpu_ids()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def join(env: dict[str, str], use_gpu: bool, quiet=contextlib.nullcontext) -> tuple[list[str], str]:
+    """Join Paddle's process group with ``env`` (`raydist.env.paddle_env`), raydist's
+    Paddle fixes applied; returns (the fixes, the device). ``quiet``: a context
+    for Paddle's noisy import and init_parallel_env."""
+    os.environ.update(env)
+    with quiet(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
+        import paddle
+    import paddle.distributed as dist
+
+    from . import compat
+
+    fixes = compat.apply(use_gpu)
+    device = f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu"
+    paddle.set_device(device)
+    with quiet():  # init_parallel_env lists every non-default FLAG on stderr
+        dist.init_parallel_env()
+    return fixes, device
+
+
+def _stderr_to_nowhere():
+    return contextlib.redirect_stderr(io.StringIO())

@@ -89,7 +89,6 @@ class StaticRunner:
         """The global specs of inputs and labels (labels may come later, before train/eval)."""
         self.specs = (inputs, labels)
 
-
     def set_mode(self, mode: str) -> ModePlan:
         if mode not in self._plans:
             micro = micro_batches(self.engine._strategy, mode)

@@ -71,27 +71,14 @@ class _PaddleBackend(Backend):
 
 def _where() -> tuple[RankPlace, int, int]:
     """This worker's place, and two free ports (its endpoint; the master's, if rank 0)."""
-    import socket
+    from .rank import free_port, here
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            ports.append(s.getsockname()[1])
-    ctx = ray.get_runtime_context()
-    place = RankPlace(ctx.get_node_id(), ray.util.get_node_ip_address(), tuple(str(g) for g in ray.get_gpu_ids()))
-    return place, ports[0], ports[1]
+    return here(), free_port(), free_port()
 
 
 def _join(env: dict[str, str], use_gpu: bool, paddle_logs: bool) -> None:
+    from .rank import QUIET_GLOG_LEVEL, join
+
     if not paddle_logs:
-        os.environ.setdefault("GLOG_minloglevel", "2")
-    os.environ.update(env)
-    import paddle
-    import paddle.distributed as dist
-
-    from . import compat
-
-    compat.apply(use_gpu)
-    paddle.set_device(f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu")
-    dist.init_parallel_env()
+        os.environ.setdefault("GLOG_minloglevel", QUIET_GLOG_LEVEL)
+    join(env, use_gpu)
