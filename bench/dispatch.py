@@ -1,35 +1,41 @@
-"""The driver's cost per step, in isolation, as the group grows.
+"""The driver's cost per step, in isolation, as the group grows, next to Ray's own floor.
 
-Runs raydist's real driver path (``DistModel.__call__``: checks, split,
-``ray.put`` per data-parallel shard, one actor call per rank, the window of
-steps in flight, assembling the loss) against stand-in ranks that do no
-Paddle work (`NullRank`), so 8 and 16 ranks fit on 2 cores. Reports the
-driver's CPU time per step (the controller's own cost) and the wall time per
-step (bounded here by the ranks' and Ray's per-call work on 2 shared cores).
+Runs raydist's real driver path (``DistModel.__call__``: checks, the step
+message, the transport, the window of steps in flight, assembling the loss)
+against stand-in ranks that do no Paddle work (`NullRank`), so 8 and 16
+ranks fit on 2 cores; and, in the same rounds, Ray alone (`BareRank`: the
+same message to every actor, two steps in flight, no raydist), by actor
+calls and by a compiled graph. Reports the driver's CPU time per step (the
+controller's own cost) and the wall time per step (bounded here by the
+ranks' and Ray's per-call work on 2 shared cores).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
 import numpy as np
+import ray
 
 import raydist
-import raydist.group
-from raydist.rank import RankActor
+from raydist.driver import model as driver_model
+from raydist.driver.group import GroupConfig
+from raydist.protocol import RankActor
 from raydist.topology import Layout, Mesh, ModePlan
 
 
 class NullRank(RankActor):
     """A rank that answers like one and does no Paddle work: a pure data-parallel mesh."""
 
-    def setup(self, env, use_gpu, paddle_logs=False):
+    def setup(self, env, use_gpu, data_timeout=None):
+        self.starts = []
         return []
 
     def build(self, payload):
         self._mesh = Mesh.of(list(range(self.world_size)), ["dp"])
-        return {"meshes": [self._mesh]}
+        return [self._mesh]
 
     def set_specs(self, inputs, labels):
         pass
@@ -40,15 +46,14 @@ class NullRank(RankActor):
         return plan
 
     def run(self, message):
-        self.stats.starts.append(time.monotonic())
+        self.starts.append(time.monotonic())
         return [np.float32(1.0)] if self.collect else None
 
 
 def per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64) -> dict:
     x = np.ones((batch, 16), np.float32)
     y = np.ones((batch, 4), np.float32)
-    original = raydist.group._RemoteRank
-    raydist.group._RemoteRank = raydist.group.ray.remote(concurrency_groups={"data": 1})(NullRank)
+    driver_model.GroupConfig = functools.partial(GroupConfig, actor_class=NullRank)
     try:
         with raydist.to_static(lambda: None, loss=lambda a, b: a, optimizer=lambda p: None, num_workers=ranks,
                                resources_per_rank={"CPU": 0.01}, dispatch=dispatch) as dm:  # fmt: skip
@@ -62,18 +67,79 @@ def per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64
             dm.wait()
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     finally:
-        raydist.group._RemoteRank = original
+        driver_model.GroupConfig = GroupConfig
     return {"cpu_us": 1e6 * cpu / steps, "dispatch_cpu_us": 1e6 * dispatched / steps, "wall_us": 1e6 * wall / steps}
 
 
-def dispatch_table(sizes: list[int], steps: int, warmup: int) -> str:
+@ray.remote
+class BareRank:
+    """Ray alone: an actor that answers a step message and does nothing else."""
+
+    def run(self, message):
+        return np.float32(1.0)
+
+
+def bare_per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64,
+                  in_flight: int = 2) -> dict:  # fmt: skip
+    """Ray's own floor for the same pattern: one message to every actor, ``in_flight`` steps outstanding."""
+    message = (np.ones((batch, 16), np.float32), np.ones((batch, 4), np.float32))
+    actors = [BareRank.options(num_cpus=0.01).remote() for _ in range(ranks)]
+    graph = None
+    if dispatch == "compiled":
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as inp:
+            graph = MultiOutputNode([a.run.bind(inp) for a in actors]).experimental_compile(
+                _max_inflight_executions=in_flight)  # fmt: skip
+
+    def send():
+        return graph.execute(message) if graph else [a.run.remote(message) for a in actors]
+
+    def receive(refs):
+        return [ray.get(r) for r in refs] if graph else ray.get(refs)
+
+    def run(n):
+        pending = []
+        for _ in range(n):
+            if len(pending) >= in_flight:
+                receive(pending.pop(0))
+            pending.append(send())
+        for refs in pending:
+            receive(refs)
+
+    try:
+        run(warmup)
+        cpu, wall = time.process_time(), time.perf_counter()
+        run(steps)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:
+        if graph is not None:
+            graph.teardown()
+        for a in actors:
+            ray.kill(a)
+    return {"cpu_us": 1e6 * cpu / steps, "wall_us": 1e6 * wall / steps}
+
+
+PATHS = {  # name in the table: per-step function, dispatch
+    "Ray alone, calls": (bare_per_step, "calls"),
+    "raydist, calls": (per_step, "calls"),
+    "Ray alone, compiled graph": (bare_per_step, "compiled"),
+    "raydist, compiled graph": (per_step, "compiled"),
+}
+
+
+def dispatch_table(sizes: list[int], steps: int, warmup: int, repeat: int = 3) -> str:
     rows = []
-    for dispatch in ("compiled", "calls"):
-        for n in sizes:
-            runs = [per_step(n, steps, warmup, dispatch) for _ in range(3)]
-            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            rows.append(f"| {dispatch} | {n} | {med['cpu_us']:.0f} | {med['cpu_us'] / n:.0f} | {med['wall_us']:.0f} |")
+    for n in sizes:
+        runs: dict[str, list[dict]] = {path: [] for path in PATHS}
+        for _ in range(repeat):  # round-robin, so drifts in the machine's load hit every path alike
+            for path, (measure, dispatch) in PATHS.items():
+                runs[path].append(measure(n, steps, warmup, dispatch))
+        for path in PATHS:
+            cpu = statistics.median(r["cpu_us"] for r in runs[path])
+            wall = statistics.median(r["wall_us"] for r in runs[path])
+            rows.append(f"| {path} | {n} | {cpu:.0f} | {cpu / n:.0f} | {wall:.0f} |")
             print(rows[-1], flush=True)
-    header = ("| dispatch | ranks (stand-ins, no Paddle) | driver CPU per step (µs) | per rank (µs) "
+    header = ("| path | ranks (stand-ins, no Paddle) | driver CPU per step (µs) | per rank (µs) "
               "| wall per step (µs) |")  # fmt: skip
     return "\n".join([header, "|---|---:|---:|---:|---:|", *rows])

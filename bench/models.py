@@ -35,14 +35,15 @@ def mesh(name: str):
     return dist.ProcessMesh(ids, dim_names=dims)
 
 
-def build_layer(name: str):
-    """The benchmark's model on its mesh (runs on every rank)."""
+def build_layer(name: str, on=None):
+    """The benchmark's model on its mesh, or the mesh ``on`` (runs on every rank)."""
+    on = on if on is not None else mesh(name)
     if MODELS[name][0] == "mlp":
         import examples.quickstart as qs
 
         assert (qs.IN, qs.OUT) == (IN, OUT)
-        return qs.MLP(mesh(name))
-    return GPT(mesh(name))
+        return qs.MLP(on)
+    return GPT(on)
 
 
 def loss(name: str):

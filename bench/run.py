@@ -1,17 +1,21 @@
 """Benchmarks: raydist next to plain multi-process Paddle, in ONE invocation.
 
-    python -m bench [--models mlp-mp2,...] [--runners native,loader,batches] [--steps 60] [--warmup 10]
+    python -m bench [--models mlp-mp2,...] [--runners native,loader,batches,compiled] [--steps 60]
+                    [--warmup 10] [--repeat N]
     python -m bench dispatch [--ranks 2,4,8,16] [--steps 300]
 
-For each model, the same model, data and ranks under three runners:
+For each model, the same model, data and ranks under these runners, round-robin:
 - *native*: N plain processes with paddle.distributed.launch's environment,
   Paddle's own DistModel over Paddle's own shard_dataloader;
 - *raydist, loader*: raydist.to_static fed by raydist.shard_dataloader over a
   Ray Dataset (ranks read their own rows);
-- *raydist, driver batches*: numpy batches passed to ``dm(x, y)``.
+- *raydist, driver batches*: numpy batches passed to ``dm(x, y)``;
+- *raydist, driver batches, compiled graph* (``compiled``, not run by default):
+  the same with ``dispatch="compiled"``, whose channels busy-wait.
 Reports the median step time, steps/s, the ratio to native, time to first
 step, peak memory per rank, the share of time ranks wait for data, and
-checks that every runner computed the same losses. ``dispatch`` measures the
+whether native and raydist's driver batches computed the losses of the same
+model trained in ONE plain process (bench/reference.py). ``dispatch`` measures the
 driver's own cost per step as the group grows (bench/dispatch.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
@@ -64,7 +68,7 @@ def run_native(name: str, warmup: int, steps: int) -> dict:
             "first_step_s": r0["first_step_at"] - start, "peak_mib": max(r["peak_mib"] for r in results)}  # fmt: skip
 
 
-def _raydist(name: str, loader=None, max_in_flight: int = 2):
+def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | None = None):
     import paddle
 
     import raydist
@@ -74,8 +78,18 @@ def _raydist(name: str, loader=None, max_in_flight: int = 2):
         lambda: models.build_layer(name), loader, models.loss(name),
         lambda p: paddle.optimizer.AdamW(1e-3, parameters=p),
         num_workers=models.world_size(name), runtime_env=RANK_ENV, max_in_flight=max_in_flight,
-        dispatch=DISPATCH[0],
+        dispatch=dispatch or DISPATCH[0],
     )  # fmt: skip
+
+
+def run_reference(name: str, steps: int) -> list[float]:
+    """The losses of the same model and batches in one plain process (bench/reference.py)."""
+    done = subprocess.run([sys.executable, "-m", "bench.reference", name, str(steps)], cwd=ROOT, timeout=1800,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"},
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"the one-process reference failed:\n{done.stderr[-3000:]}")
+    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])["losses"]
 
 
 def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
@@ -87,7 +101,7 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     import ray
 
     def take_stats():
-        return ray.get([a.take_stats.remote() for a in dm._group.actors])
+        return ray.get([a.take_stats.remote() for a in dm._client.group.actors])
 
     losses, first = [], None
     for i, batch in enumerate(batches):
@@ -104,17 +118,17 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     stats = take_stats()
     times = list(np.diff(stats[0]["starts"]))
     times.append(wall - sum(times))  # the last step: to the end of the run
-    peak = max(s["peak_rss_mib"] for s in ray.get([a.status.remote() for a in dm._group.actors]))
+    peak = max(s["peak_rss_mib"] for s in ray.get([a.status.remote() for a in dm._client.group.actors]))
     return {"times": times, "first_step_s": first, "losses": [float(x) for x in losses], "peak_mib": peak,
             "wait_share": max(s["wait"] for s in stats) / wall}  # fmt: skip
 
 
-def run_raydist_batches(name: str, warmup: int, steps: int) -> dict:
+def run_raydist_batches(name: str, warmup: int, steps: int, dispatch: str | None = None) -> dict:
     from bench.models import data
 
     batches = data(name, warmup + steps)
     start = time.time()
-    with _raydist(name) as dm:
+    with _raydist(name, dispatch=dispatch) as dm:
         r = _timed_steps(dm, batches, warmup, start, lambda dm, b: dm(*b))
     r.pop("wait_share")
     return r
@@ -162,6 +176,9 @@ RUNNERS = {  # name: (what the table calls it, runner)
     "native": ("native", run_native),
     "loader": ("raydist, loader", run_raydist_loader),
     "batches": ("raydist, driver batches", run_raydist_batches),
+    # the compiled graph's channels busy-wait: on CPU ranks that need every core it costs steps
+    "compiled": ("raydist, driver batches, compiled graph",
+                 lambda name, warmup, steps: run_raydist_batches(name, warmup, steps, "compiled")),
 }
 
 
@@ -175,15 +192,16 @@ def models_table(args) -> str:
         for _ in range(args.repeat):  # round-robin, so drifts in the machine's load hit every runner alike
             for runner in runners:
                 runs[runner].append(RUNNERS[runner][1](name, args.warmup, args.steps))
-        base, ref_losses = None, None
+        reference = run_reference(name, args.warmup + args.steps)
+        base = None
         for runner in runners:
             label = RUNNERS[runner][0]
             first = runs[runner][0]
             med = statistics.median(statistics.median(r["times"]) for r in runs[runner])
             base = base or med
-            ref_losses = ref_losses or first["losses"]
             # the loader's split orders rows its own way: its losses are not step-by-step comparable
-            same = "n/a" if runner == "loader" else ("yes" if np.allclose(first["losses"], ref_losses, rtol=1e-4) else "NO")
+            same = "n/a" if runner == "loader" else (
+                "yes" if np.allclose(first["losses"], reference, rtol=1e-4) else "NO")
             wait = f"{100 * max(r['wait_share'] for r in runs[runner]):.1f}" if "wait_share" in first else "-"
             first_step = statistics.median(r["first_step_s"] for r in runs[runner])
             peak = max(r["peak_mib"] for r in runs[runner])
@@ -201,7 +219,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="models", choices=["models", "dispatch"])
     parser.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2")
-    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--runners", default="native,loader,batches")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each runner, round-robin (medians)")

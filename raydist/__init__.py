@@ -10,10 +10,10 @@ switches modes, sends batches and gathers results::
 """
 
 from .data import Handle, ShardDataloader, shard_dataloader
+from .driver.model import DistModel, to_static
+from .driver.status import RankStatus, status
+from .driver.steps import Loss
 from .errors import GroupShutdownError, RankError, UsageError
-from .model import DistModel, to_static
-from .status import RankStatus, status
-from .steps import Loss
 
 __version__ = "0.1.0"
 

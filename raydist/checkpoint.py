@@ -130,9 +130,9 @@ def writers(meta: dict) -> dict[int, list[str]]:
     return plan
 
 
-def assemble(directory: str, tensors: dict[str, Any], files_cache: dict | None = None) -> dict[str, np.ndarray]:
-    """The FULL value of each tensor of a manifest, read from its pieces."""
-    cache = files_cache if files_cache is not None else {}
+def assemble(directory: str, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The FULL value of each tensor of a manifest, read from its pieces (each file once)."""
+    cache: dict[str, dict[str, np.ndarray]] = {}
     out = {}
     for name, entry in tensors.items():
         pieces = {}

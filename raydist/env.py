@@ -10,6 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+# Paddle's C++ (glog) log level in ranks unless Paddle's logs are asked for:
+# warnings and errors only (Paddle's default prints every INFO line).
+QUIET_GLOG_LEVEL = "2"
+
 
 @dataclasses.dataclass(frozen=True)
 class RankPlace:
@@ -17,7 +21,7 @@ class RankPlace:
 
     node_id: str
     node_ip: str
-    gpu_ids: tuple[str, ...] = ()  # what Ray assigned this actor
+    gpu_ids: tuple[str, ...] = ()  # what Ray assigned this actor (ray.get_gpu_ids())
 
 
 def paddle_env(
@@ -27,14 +31,16 @@ def paddle_env(
     master: str,
     *,
     use_gpu: bool,
+    paddle_logs: bool = False,
 ) -> dict[str, str]:
     """Environment variables for ``rank`` (Paddle reads them in ``init_parallel_env``).
 
-    ``places`` and ``endpoints`` are indexed by rank. On GPU every rank sees all
-    GPUs Ray gave the ranks on its node (so NCCL can use peer links, as Ray
-    Train does) and selects one by ``FLAGS_selected_gpus``: the co-located ranks
-    take the node's GPUs in increasing id order, so ranks are ordered by node,
-    then GPU id.
+    ``places`` and ``endpoints`` are indexed by rank. On GPU every rank sees the
+    GPUs Ray gave the ranks of its node, sorted as Ray Train sorts them
+    (``CUDA_VISIBLE_DEVICES``, so NCCL can use peer links between them), and
+    selects the one Ray gave IT by its position there (``FLAGS_selected_gpus``),
+    as Ray Train's ``get_devices()`` does: Ray's accounting and the device a
+    rank uses agree.
     """
     me = places[rank]
     local = [r for r, p in enumerate(places) if p.node_id == me.node_id]
@@ -52,16 +58,12 @@ def paddle_env(
         "PADDLE_NNODES": str(len({p.node_id for p in places})),
         "PADDLE_DISTRI_BACKEND": "nccl" if use_gpu else "gloo",
     }
+    if not paddle_logs:
+        env["GLOG_minloglevel"] = QUIET_GLOG_LEVEL
     if use_gpu:
-        node_gpus = sorted({g for r in local for g in places[r].gpu_ids}, key=_gpu_order)
-        if len(node_gpus) < len(local):
-            raise ValueError(
-                f"node {me.node_ip} runs {len(local)} ranks but Ray gave them only {len(node_gpus)} GPUs"
-            )
+        if not me.gpu_ids:
+            raise ValueError(f"rank {rank} on node {me.node_ip} has no GPU from Ray: give each rank {{'GPU': 1}}")
+        node_gpus = sorted({g for r in local for g in places[r].gpu_ids})  # Ray Train's order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
-        env["FLAGS_selected_gpus"] = str(local.index(rank))
+        env["FLAGS_selected_gpus"] = str(node_gpus.index(me.gpu_ids[0]))
     return env
-
-
-def _gpu_order(gpu_id: str):
-    return (0, int(gpu_id), "") if gpu_id.isdigit() else (1, 0, gpu_id)

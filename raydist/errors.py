@@ -35,10 +35,11 @@ class GroupShutdownError(RuntimeError):
 
 
 class UsageError(ValueError):
-    """A bad argument that only a rank could see (e.g. the layer's mesh).
+    """A bad argument, or one that only the ranks could see (the layer's mesh, a batch
+    the layer cannot take): the caller's mistake, and the model goes on.
 
-    Raised inside a rank; the driver re-raises it as itself, not as a
-    `RankError`, since nothing failed but the call.
+    Raised inside a rank, it travels as `RankRefused`; when every rank
+    refused the call, the driver raises it as itself, not as a `RankError`.
     """
 
 
@@ -51,4 +52,15 @@ class RankFailed(RuntimeError):
         self.traceback = traceback
 
     def __reduce__(self):
-        return (RankFailed, (self.rank, self.traceback))
+        return (type(self), (self.rank, self.traceback))
+
+
+class RankRefused(RankFailed):
+    """Raised inside a rank when it refuses a call (a `UsageError` there): the message for the caller."""
+
+    def __init__(self, rank: int, traceback: str, message: str = ""):
+        super().__init__(rank, traceback)
+        self.message = message
+
+    def __reduce__(self):
+        return (RankRefused, (self.rank, self.traceback, self.message))

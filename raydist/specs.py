@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .topology import Layout
+from .topology import Layout, Mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +61,7 @@ def from_paddle(spec, name: str) -> TensorSpec:
     layout = None
     mesh = getattr(spec, "mesh", None)
     if mesh is not None:
-        from .topology import Mesh
-
-        m = Mesh(tuple(mesh.shape), tuple(mesh.process_ids), tuple(mesh.dim_names))
-        layout = Layout(m, tuple(int(d) for d in spec.dims_mapping))
+        layout = Layout(Mesh.of_paddle(mesh), tuple(int(d) for d in spec.dims_mapping))
     return TensorSpec(spec.name or name, shape, dtype, layout)
 
 

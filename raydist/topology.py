@@ -8,7 +8,6 @@ from the local pieces ranks return (losses, predictions, state).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -32,6 +31,17 @@ class Mesh:
     def of(cls, process_ids: Sequence | np.ndarray, dim_names: Sequence[str]) -> "Mesh":
         arr = np.asarray(process_ids)
         return cls(tuple(int(s) for s in arr.shape), tuple(int(p) for p in arr.ravel()), tuple(dim_names))
+
+    @classmethod
+    def of_paddle(cls, process_mesh) -> "Mesh":
+        """The mesh of a ``paddle.distributed.ProcessMesh``."""
+        return cls(tuple(process_mesh.shape), tuple(process_mesh.process_ids), tuple(process_mesh.dim_names))
+
+    def to_paddle(self):
+        """This mesh as a ``paddle.distributed.ProcessMesh`` (imports Paddle)."""
+        import paddle.distributed as dist
+
+        return dist.ProcessMesh(np.array(self.process_ids).reshape(self.shape).tolist(), dim_names=list(self.dim_names))
 
     def coord(self, rank: int) -> tuple[int, ...]:
         return tuple(int(c) for c in np.unravel_index(self.process_ids.index(rank), self.shape))
@@ -72,28 +82,8 @@ class Layout:
         """One rank per distinct piece: the ranks to read results from."""
         return [ranks[0] for ranks in self.holders().values()]
 
-    def split(self, array: np.ndarray) -> dict[tuple[int, ...], np.ndarray]:
-        """Cut a full array into the local pieces (even split), keyed like `key`."""
-        if self.partial:
-            raise ValueError("cannot split a partial tensor")
-        sharded = [(d, m) for d, m in enumerate(self.dims_mapping) if m >= 0]
-        pieces = {}
-        for coords in itertools.product(*(range(self.mesh.shape[m]) for _, m in sharded)):
-            index = [slice(None)] * array.ndim
-            for (d, m), c in zip(sharded, coords):
-                n = self.mesh.shape[m]
-                if array.shape[d] % n:
-                    raise ValueError(
-                        f"dim {d} of size {array.shape[d]} does not divide by the {n} ranks "
-                        f"of mesh dim {self.mesh.dim_names[m]!r}"
-                    )
-                step = array.shape[d] // n
-                index[d] = slice(c * step, (c + 1) * step)
-            pieces[coords] = array[tuple(index)]
-        return pieces
-
     def local(self, array: np.ndarray, rank: int) -> np.ndarray:
-        """``rank``'s piece of a full array (a view), as `split` cuts it."""
+        """``rank``'s piece of a full array (a view): an even split along the sharded dims."""
         index = [slice(None)] * array.ndim
         coord = self.mesh.coord(rank) if rank in self.mesh else (0,) * len(self.mesh.shape)
         for d, m in enumerate(self.dims_mapping):

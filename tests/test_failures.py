@@ -7,6 +7,7 @@ import time
 import numpy as np
 import paddle
 import pytest
+import ray
 from ray.util.placement_group import placement_group_table
 
 import raydist
@@ -55,7 +56,7 @@ def test_rank_failing_while_peers_wait_in_a_collective():
     """Rank 1 raises while building the program; rank 0 waits in a barrier and is torn down."""
     x, y = batches(1)[0]
     dm = raydist.to_static(build("dp", fail_on_rank=1), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    pids = list(dm._group.pids)
+    pids = list(dm._client.group.pids)
     start = time.monotonic()
     with pytest.raises(raydist.RankError) as info:
         dm(x, y)
@@ -71,7 +72,7 @@ def test_killed_rank_surfaces_as_died(dispatch):
     data = batches(2)
     dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, dispatch=dispatch)
     float(dm(*data[0]))
-    pids = list(dm._group.pids)
+    pids = list(dm._client.group.pids)
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     loss = dm(*data[1])  # returns at once: the step runs
@@ -143,3 +144,131 @@ def test_bad_batches_fail_at_the_driver_and_the_model_stays_usable():
             dm(x, y)
         dm.train()
         assert_close(dm(*data[1]), ref.train(*data[1]))
+
+
+# -- every failure is a RankError, on every path (issue 11, A) -----------------------------
+
+
+def wait_noticed(dm, pid, timeout=20.0):
+    """Until Ray has noticed that the rank of ``pid`` is dead (its actor is DEAD)."""
+    deadline = time.monotonic() + timeout
+    actor = dm._client.group.actors[dm._client.group.pids.index(pid)]
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=1)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("Ray did not notice the dead rank")
+
+
+@pytest.mark.parametrize("dispatch", ["calls", "compiled"])
+@pytest.mark.parametrize("when", ["send", "receive"])
+def test_a_rank_killed_between_steps_is_a_rank_error_at_the_next_send_or_receive(dispatch, when):
+    """"send": Ray has torn the graph down before the next call; "receive": the call goes out first."""
+    data = batches(3)
+    ref = Reference(sgd())
+    dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, dispatch=dispatch)
+    assert_close(dm(*data[0]), ref.train(*data[0]))
+    pids = list(dm._client.group.pids)
+    os.kill(pids[0], signal.SIGKILL)
+    if when == "send":
+        wait_noticed(dm, pids[0])
+    start = time.monotonic()
+    with pytest.raises(raydist.RankError) as info:
+        float(dm(*data[1]))  # the call itself or its loss: either way a RankError
+    assert info.value.rank == 0 and info.value.died and info.value.during == "step 1"
+    assert time.monotonic() - start < 30
+    wait_gone(pids)
+    with pytest.raises(raydist.GroupShutdownError):
+        dm(*data[2])
+    dm.restart()  # and the model comes back
+    assert_close(dm(*data[0]), Reference(sgd()).train(*data[0]))
+    dm.shutdown()
+
+
+@ray.remote
+class _Owner:
+    def make(self):
+        return [ray.put(np.ones(3))]
+
+
+def _ref_of_a_dead_owner():
+    """An object whose owner is gone: ObjectLostError (OwnerDiedError)."""
+    owner = _Owner.remote()
+    (ref,) = ray.get(owner.make.remote())
+    ray.kill(owner)
+    time.sleep(1)
+    return ref
+
+
+class _NoUnpickling:
+    def __reduce__(self):
+        return (_fail_to_unpickle, ())
+
+
+def _fail_to_unpickle():
+    raise ImportError("this result cannot be unpickled at the driver")
+
+
+@ray.remote
+def _undeserializable():
+    return _NoUnpickling()
+
+
+def _ref_the_driver_cannot_read():
+    """A result that cannot be unpickled at the driver: RaySystemError."""
+    return _undeserializable.remote()
+
+
+@pytest.mark.parametrize("make_ref, kind", [(_ref_of_a_dead_owner, ray.exceptions.ObjectLostError),
+                                            (_ref_the_driver_cannot_read, ray.exceptions.RaySystemError)])  # fmt: skip
+def test_every_ray_error_of_a_rank_call_is_a_rank_error_and_tears_the_group_down(make_ref, kind):
+    """Not just RayTaskError and RayActorError: whatever Ray raises for a call's result."""
+    dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
+    pids = list(dm._client.group.pids)
+    with pytest.raises(raydist.RankError) as info:
+        dm._client.group.gather([make_ref()], "a test", ranks=[1])
+    assert isinstance(info.value.__cause__, kind), repr(info.value.__cause__)
+    assert info.value.rank == 1 and info.value.during == "a test" and type(info.value.__cause__).__name__ in info.value.cause
+    assert not dm._client.alive
+    wait_gone(pids)
+    with pytest.raises(raydist.GroupShutdownError):
+        dm(*batches(1)[0])
+
+
+def test_a_bad_first_batch_is_refused_and_the_model_goes_on():
+    """A batch the layer cannot take fails Paddle's program build on every rank: the caller's mistake."""
+    x, y = batches(1)[0]
+    ref = Reference(sgd())
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
+        pids = list(dm._client.group.pids)
+        with pytest.raises(raydist.UsageError, match="(?s)train program cannot be built.*Type promotion.*int64"):
+            dm(x.astype("int64"), y)
+        assert_close(dm(x, y), ref.train(x, y))  # the specs of the failed call are forgotten
+        assert dm._client.group.pids == pids  # the same ranks
+    with raydist.to_static(build("mp"), num_workers=2) as dm:  # predict only: its first build
+        with pytest.raises(raydist.UsageError, match="predict program cannot be built"):
+            dm(x.astype("int64"))
+        assert_close(dm(x), Reference().predict(x))
+
+
+def test_restart_counts_steps_on(tmp_path):
+    data = batches(4)
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
+        assert [dm(x, y).step for x, y in data[:3]] == [0, 1, 2]
+        dm.save(str(tmp_path / "a"))
+        os.kill(dm._client.group.pids[1], signal.SIGKILL)
+        with pytest.raises(raydist.RankError, match="during step 3"):
+            float(dm(*data[3]))
+        dm.restart()
+        loss = dm(*data[3])
+        assert loss.step == 4  # step 3 was sent (and failed): counted
+        float(loss)
+        dm.save(str(tmp_path / "b"))
+    import json
+
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["step"] == 3
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["step"] == 5

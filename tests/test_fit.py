@@ -31,19 +31,28 @@ class KillOnce(Pairs):
         return super().__getitem__(i)
 
 
-def fit_run(dataset, tmp, **kwargs):
+def fit_run(dataset, tmp, dispatch="calls", **kwargs):
     loader = raydist.shard_dataloader(dataset, MESH, shard_dims="dp", batch_size=8, shuffle=True, seed=3,
                                       prefetch=2)  # fmt: skip
-    with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2) as dm:
+    with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2, dispatch=dispatch) as dm:
         history = dm.fit(loader, epochs=2, checkpoint_every=3, checkpoint_dir=str(tmp), progress=False, **kwargs)
         return history, dm.state_dict("all")
 
 
-def test_fit_survives_a_killed_rank_and_ends_where_an_undisturbed_run_does(tmp_path):
-    calm_history, calm_state = fit_run(Pairs(48), tmp_path / "calm")
-    assert len(calm_history) == 12  # 2 epochs of 6 steps
+@pytest.fixture(scope="module")
+def calm(ray_session, tmp_path_factory):
+    """An undisturbed run: 2 epochs of 6 steps."""
+    history, state = fit_run(Pairs(48), tmp_path_factory.mktemp("calm"))
+    assert len(history) == 12
+    return history, state
+
+
+@pytest.mark.parametrize("dispatch", ["calls", "compiled"])
+def test_fit_survives_a_killed_rank_and_ends_where_an_undisturbed_run_does(calm, tmp_path, dispatch):
+    calm_history, calm_state = calm
     marker = tmp_path / "killed"
-    history, state = fit_run(KillOnce(48, row=37, marker=str(marker)), tmp_path / "hurt", max_failures=1)
+    history, state = fit_run(KillOnce(48, row=37, marker=str(marker)), tmp_path / "hurt", dispatch=dispatch,
+                             max_failures=1)  # fmt: skip
     assert marker.exists()  # a rank did die
     assert_close(history, calm_history, rtol=0, atol=0, what="losses")
     for name, value in calm_state.items():
@@ -68,12 +77,12 @@ def test_restart_after_a_killed_rank_restores_the_last_checkpoint(tmp_path):
             assert_close(dm(x, y), ref.train(x, y))
         dm.save(str(tmp_path / "ckpt"))
         float(dm(*data[3]))  # a step the checkpoint does not have
-        old = list(dm._group.pids)
+        old = list(dm._client.group.pids)
         os.kill(old[0], signal.SIGKILL)
         with pytest.raises(raydist.RankError):
             float(dm(*data[3]))
         dm.restart()
-        assert not set(old) & set(dm._group.pids)
+        assert not set(old) & set(dm._client.group.pids)
         for x, y in data[2:]:  # AdamW's moments came back too, or these would differ
             assert_close(dm(x, y), ref.train(x, y))
         for name, value in ref.params().items():
@@ -88,14 +97,16 @@ class Stall(Pairs):
 
 
 def test_a_step_that_never_finishes_times_out():
+    """The reader of rank 0's group stalls: rank 0 waits step_timeout_s for its batch, then says so."""
     loader = raydist.shard_dataloader(Stall(32), MESH, shard_dims="dp", batch_size=8, prefetch=1)
     with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2,
                            step_timeout_s=5) as dm:  # fmt: skip
-        pids = list(dm._group.pids)
+        pids = list(dm._client.group.pids)
         start = time.monotonic()
-        with pytest.raises(raydist.RankError, match="within 5"):
+        with pytest.raises(raydist.RankError, match="no batch for step 1 of epoch 0 within 5 s") as info:
             for batch in loader():
                 float(dm(*batch))
+        assert info.value.rank == 0 and info.value.during == "step 1"
         assert time.monotonic() - start < 30
     from test_failures import wait_gone
 

@@ -16,19 +16,19 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
 
 
 def _pg_state(dm):
-    return placement_group_table(dm._group._pg)["state"] if dm._group._pg is not None else "REMOVED"
+    return placement_group_table(dm._client.group._pg)["state"] if dm._client.group._pg is not None else "REMOVED"
 
 
 def test_named_actors_and_shutdown_by_with():
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            name="rdtest") as dm:  # fmt: skip
-        pg = dm._group._pg
+        pg = dm._client.group._pg
         assert placement_group_table(pg)["state"] == "CREATED"
         assert len(placement_group_table(pg)["bundles"]) == 2
         for rank in range(2):
             status = ray.get(ray.get_actor(f"rdtest-rank-{rank}").status.remote())
             assert status["rank"] == rank and status["device"] == "cpu"
-        pids = list(dm._group.pids)
+        pids = list(dm._client.group.pids)
     wait_gone(pids)
     assert placement_group_table(pg)["state"] == "REMOVED"
     with pytest.raises(ValueError):
@@ -41,15 +41,15 @@ def test_status_lists_the_live_ranks():
                            name="rdstatus") as dm:  # fmt: skip
         float(dm(*data[0]))
         mine = [s for s in raydist.status() if s.group == "rdstatus"]
-        assert [(s.rank, s.pid, s.device, s.mode) for s in mine] == [(0, dm._group.pids[0], "cpu", "train"),
-                                                                     (1, dm._group.pids[1], "cpu", "train")]
+        assert [(s.rank, s.pid, s.device, s.mode) for s in mine] == [(0, dm._client.group.pids[0], "cpu", "train"),
+                                                                     (1, dm._client.group.pids[1], "cpu", "train")]
         assert all(s.node_ip == ray.util.get_node_ip_address() for s in mine)
     assert not [s for s in raydist.status() if s.group == "rdstatus"]
 
 
 def test_garbage_collection_shuts_the_group_down():
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    pids, pg = list(dm._group.pids), dm._group._pg
+    pids, pg = list(dm._client.group.pids), dm._client.group._pg
     del dm
     gc.collect()
     wait_gone(pids)
@@ -92,25 +92,31 @@ DRIVER = """
 import sys, ray, paddle, raydist
 sys.path.insert(0, {tests!r})
 from models import batches, build, sgd
+from test_data import MESH, dataset
 ray.init(address={address!r})
-with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
+loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["x", "y"], shard_dims="dp", batch_size=8)
+with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4) as dm:
+    for batch in loader():
+        dm(batch["x"], batch["y"])
     x, y = batches(1)[0]
     float(dm(x, y))
-    dm.predict(); dm(x); dm.state_dict()
+    dm.eval(); float(dm(x, y))
+    dm.predict(); dm(x); dm.state_dict(); dm.save({checkpoint!r}); dm.load({checkpoint!r})
+    dm.dist_main_program()
 print(sorted(m for m in sys.modules if m.startswith("raydist")))
 """
 
 
-def test_the_driver_never_imports_rank_code():
+def test_the_driver_never_imports_worker_code(tmp_path):
+    """Every mode, a loader, state and checkpoints: the driver process imports no rank-only module."""
     import os
     import subprocess
     import sys
 
     address = ray.get_runtime_context().gcs_address
-    code = DRIVER.format(tests=os.path.dirname(__file__), address=address)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    code = DRIVER.format(tests=os.path.dirname(__file__), address=address, checkpoint=str(tmp_path / "ckpt"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-2000:]
-    loaded = out.stdout.strip().splitlines()[-1]
-    assert "raydist.model" in loaded
-    for rank_only in ("raydist.runner", "raydist.compat", "raydist.reader"):
-        assert rank_only not in loaded
+    loaded = eval(out.stdout.strip().splitlines()[-1])
+    assert "raydist.driver.model" in loaded and "raydist.protocol" in loaded
+    assert not [m for m in loaded if m.startswith(("raydist.worker", "raydist.compat", "raydist.integrations"))]

@@ -137,3 +137,24 @@ def test_predict_several_sharded_outputs():
     assert isinstance(out, list) and len(out) == 2
     assert_close(out[0], h)
     assert_close(out[1], np.tanh(h))
+
+
+@pytest.mark.parametrize("first", ["predict", "eval"])
+def test_training_after_another_mode_was_built_first(first):
+    """The train program built second still starts from the model's parameters and makes AdamW's state."""
+    data = batches(4, seed=2)
+    ref = Reference(adamw())
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2) as dm:
+        x, y = data[0]
+        if first == "predict":
+            dm.predict()
+            assert_close(dm(x), ref.predict(x))
+        else:
+            dm.eval()
+            assert_close(dm(x, y), ref.eval(x, y))
+        dm.train()
+        for step, (x, y) in enumerate(data):
+            assert_close(dm(x, y), ref.train(x, y), what=f"step {step}")
+        assert any("moment1" in k for k in dm.state_dict("opt"))
+        for name, value in ref.params().items():
+            assert_close(dm.state_dict("param")[name], value, what=name)

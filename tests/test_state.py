@@ -1,12 +1,10 @@
 """State on the driver and distributed checkpoints: exact round trips, across meshes."""
 
-import os
-import signal
-
 import numpy as np
 import paddle
 import pytest
 
+import faults
 import raydist
 from models import Reference, adamw, assert_close, batches, build, sgd
 
@@ -63,16 +61,18 @@ def test_save_and_load_on_the_same_and_other_meshes(tmp_path):
         dm.save(str(tmp_path / "ckpt"))
         with pytest.raises(ValueError, match="never overwrites"):
             dm.save(str(tmp_path / "ckpt"))
-    expected_out = ref.predict(data[3][0])
     x, y = data[3]
+    expected_out = ref.predict(x)  # what the checkpoint predicts
     expected_loss = ref.train(x, y)  # one more step: needs the optimizer state too
     for kind, workers in [("dpmp", 4), ("mp", 2), ("one", 1)]:
         with dm_of(kind, workers) as other:
             other.load("file://" + str(tmp_path / "ckpt") if kind == "mp" else str(tmp_path / "ckpt"))
+            other.predict()
+            assert_close(other(x), expected_out, what=f"{kind}: predict after loading")
+            other.train()
             assert_close(other(x, y), expected_loss, what=f"{kind}: a step after loading")
             other.predict()
-            assert_close(other(data[0][0]), ref.predict(data[0][0]), what=f"{kind}: predict")
-    assert expected_out is not None
+            assert_close(other(data[0][0]), ref.predict(data[0][0]), what=f"{kind}: predict after the step")
     with dm_of("mp", 2, optimizer=sgd) as other:
         with pytest.raises(ValueError, match="not a complete raydist checkpoint"):
             other.load(str(tmp_path))
@@ -97,20 +97,24 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
 
 
 def test_a_save_killed_halfway_leaves_the_old_checkpoint_intact(tmp_path):
+    """Rank 1 dies after writing its shard file, before the rename and the manifest."""
     x, y = batches(1)[0]
     ref = Reference(adamw())
     ref.train(x, y)
-    with dm_of("dp", 2) as dm:
+    with dm_of("mp", 2) as dm:
         float(dm(x, y))
         dm.save(str(tmp_path / "old"))
-    dm = dm_of("dp", 2)
+    dm = dm_of("mp", 2, runtime_env=faults.hook("die_after_writing_on_rank_1"))  # mp: each rank writes a shard
     float(dm(x, y))
-    os.kill(dm._group.pids[1], signal.SIGKILL)
-    with pytest.raises(raydist.RankError):
+    pids = list(dm._client.group.pids)
+    with pytest.raises(raydist.RankError) as info:
         dm.save(str(tmp_path / "new"))
-    assert not (tmp_path / "new").exists()  # nothing that looks complete
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nor any half-written files
-    with dm_of("dp", 2) as fresh:
+    assert info.value.rank == 1 and info.value.died and info.value.during == "save_pieces"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nothing half-written, nothing that looks complete
+    from test_failures import wait_gone
+
+    wait_gone(pids)
+    with dm_of("mp", 2) as fresh:
         fresh.load(str(tmp_path / "old"))
         fresh.predict()
         assert_close(fresh(x), ref.predict(x))

@@ -1,6 +1,7 @@
 """The asynchronous driver: steps in flight, lazy losses, and both dispatch paths."""
 
 import math
+import os
 import time
 
 import numpy as np
@@ -8,7 +9,7 @@ import paddle
 import pytest
 
 import raydist
-from raydist.steps import Loss, Window
+from raydist.driver.steps import Loss, Window
 from models import Reference, assert_close, batches, build, sgd
 
 
@@ -40,6 +41,24 @@ def test_a_failure_fails_the_later_steps_too():
         steps[2].result()
 
 
+def test_an_interrupted_wait_leaves_the_step_in_flight():
+    interrupts = [True]
+
+    def finish(refs, what):
+        if interrupts:
+            interrupts.pop()
+            raise KeyboardInterrupt
+        return refs[0]
+
+    window = Window(3, first=7)
+    steps = [window.submit(lambda i=i: [i], finish) for i in range(3)]
+    with pytest.raises(KeyboardInterrupt, match="while waiting for step 7: steps 7-9 still run"):
+        steps[2].result()
+    assert len(window) == 3 and not steps[0].done  # nothing dropped, nothing marked failed
+    assert [s.result() for s in steps] == [0, 1, 2] and len(window) == 0
+    assert window.submitted == 10
+
+
 def test_loss_acts_as_a_float():
     window = Window(1)
     loss = Loss(window.submit(lambda: [None], lambda refs, what: 0.25))
@@ -60,8 +79,8 @@ def test_steps_run_ahead_and_match_single_process(dispatch):
     ref = Reference(sgd())
     with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4,
                            max_in_flight=3, dispatch=dispatch) as dm:  # fmt: skip
-        assert dm._group.steps(3, dispatch == "compiled").name == dispatch
         losses = [dm(x, y) for x, y in data]  # returns before the steps are done
+        assert dm._client.transport == dispatch
         for step, (loss, (x, y)) in enumerate(zip(losses, data)):
             assert_close(loss, ref.train(x, y), what=f"step {step}")
         dm.predict()
@@ -87,3 +106,126 @@ def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
             dm.wait()
         assert info.value.rank in (2, 3) and info.value.during == "step 3"  # rows 28-31: dp group 1, step 3
         assert time.monotonic() - start < 60
+
+
+def test_auto_dispatch_uses_calls_on_cpu_and_compiled_is_asked_for():
+    x, y = batches(1)[0]
+    for dispatch, expected in [("auto", "calls"), ("compiled", "compiled")]:
+        with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                               dispatch=dispatch) as dm:  # fmt: skip
+            assert dm._client.transport is None  # opened by the first step
+            float(dm(x, y))
+            assert dm._client.transport == expected
+    with pytest.raises(ValueError, match="dispatch"):
+        raydist.to_static(build("dp"), num_workers=2, dispatch="fast")
+
+
+class Slow(paddle.io.Dataset):
+    """Tuple rows; reading row ``row`` takes ``seconds``: the step that needs it waits."""
+
+    def __init__(self, n, row, seconds):
+        from test_data import rows
+
+        self.x, self.y = rows(n)
+        self.row, self.seconds = row, seconds
+
+    def __getitem__(self, i):
+        if i == self.row:
+            time.sleep(self.seconds)
+        return self.x[i], self.y[i]
+
+    def __len__(self):
+        return len(self.x)
+
+
+def loader_reference(data, steps, optimizer):
+    """The loader's global batches (as Paddle's DistributedBatchSampler splits them) trained in one process."""
+    samplers = [paddle.io.DistributedBatchSampler(data, 4, num_replicas=2, rank=g) for g in range(2)]
+    ref = Reference(optimizer)
+    out = []
+    for _, (a, b) in zip(range(steps), zip(*samplers)):
+        ids = list(a) + list(b)
+        out.append(ref.train(data.x[ids], data.y[ids]))
+    return out, ref
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dispatch", ["calls", "compiled"])
+def test_ctrl_c_while_waiting_leaves_the_steps_running_and_the_model_usable(dispatch):
+    import signal
+    import threading
+
+    import paddle.distributed as dist
+
+    data = Slow(40, row=21, seconds=10)  # row 21: the third step (2) waits for it
+    expected, ref = loader_reference(data, 5, sgd())
+    mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
+    loader = raydist.shard_dataloader(data, mesh, shard_dims="dp", batch_size=8, prefetch=1)
+    with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=2, max_in_flight=8,
+                           dispatch=dispatch) as dm:  # fmt: skip
+        pids = list(dm._client.group.pids)
+        losses = [dm(*batch) for batch in loader()]  # five steps, all sent at once
+        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt, match="waiting for step 2: steps 2-4 still run on the ranks"):
+            float(losses[-1])
+        assert time.monotonic() - start < 5  # at once, not when the slow step is done
+        timer.join()
+        for step, (loss, value) in enumerate(zip(losses, expected)):
+            assert_close(loss, value, what=f"step {step}")  # nothing was dropped, or run twice
+        x, y = data.x[[0, 1, 2, 3, 4, 5, 6, 7]], data.y[[0, 1, 2, 3, 4, 5, 6, 7]]
+        assert_close(dm(*next(iter(loader()))), ref.train(x, y))  # the model goes on: a new epoch's first step
+        assert dm._client.group.pids == pids
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dispatch", ["calls", "compiled"])
+def test_losses_read_from_another_thread_while_steps_are_sent(dispatch):
+    import threading
+
+    data = batches(12)
+    ref = Reference(sgd())
+    expected = [ref.train(x, y) for x, y in data]
+    sent, read, errors = [], {}, []
+
+    def reader():
+        try:
+            while len(read) < len(data):
+                for i, loss in list(enumerate(sent)):
+                    if i not in read:
+                        read[i] = float(loss)  # waits, from this thread, while the main one sends
+                time.sleep(0.001)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, max_in_flight=3,
+                           dispatch=dispatch) as dm:  # fmt: skip
+        thread = threading.Thread(target=reader)
+        thread.start()
+        for x, y in data:
+            sent.append(dm(x, y))
+        thread.join(timeout=120)
+    assert not errors and not thread.is_alive()
+    assert_close([read[i] for i in range(len(data))], expected)
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(180)
+def test_a_control_call_waits_for_the_steps_in_flight():
+    """The client drains before any call to the ranks: no caller has to remember to."""
+    from raydist.protocol import RankActor
+
+    data = batches(3)
+    ref = Reference(sgd())
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                           max_in_flight=4) as dm:  # fmt: skip
+        losses = [dm(x, y) for x, y in data]
+        pieces = dm._client.call(RankActor.state_dict, "param")
+        assert all(loss.done for loss in losses)
+        for x, y in data:
+            ref.train(x, y)
+        full = pieces[0]["fc1.bias"][1].assemble({r: p["fc1.bias"][0] for r, p in enumerate(pieces)})
+        assert_close(full, ref.params()["fc1.bias"])

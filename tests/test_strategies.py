@@ -176,15 +176,23 @@ def test_sections_paddle_ignores_are_named():
         raydist_strategy.check(_strategy(dp_optimization={"enable": True}), use_gpu=False)
 
 
-def test_fused_passes_leave_the_numbers_alone():
-    """Paddle applies fused_passes to the dense program; on CPU the results stay those of one process."""
-    strategy = dist.Strategy()
-    strategy.fused_passes.enable = True
-    strategy.fused_passes.fused_passes_list = ["fused_gemm_epilogue_pass", "fused_linear_param_grad_add_pass",
-                                               "fused_dropout_add_pass", "eliminate_transpose"]  # fmt: skip
-    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), strategy=strategy,
-                           num_workers=2) as dm:  # fmt: skip
-        train_and_compare(dm, Reference(sgd()), batches(3))
+def test_fused_passes_change_nothing_on_cpu():
+    """Paddle runs the fused_passes over the dense program; on CPU none of these fuses anything.
+
+    The same program as without them, and the numbers of one process. When this
+    fails, a pass started to fuse on CPU: check its numbers, then the README.
+    """
+    programs = {}
+    for enable in (False, True):
+        strategy = dist.Strategy()
+        strategy.fused_passes.enable = enable
+        strategy.fused_passes.fused_passes_list = ["fused_gemm_epilogue_pass", "fused_linear_param_grad_add_pass",
+                                                   "fused_dropout_add_pass", "eliminate_transpose"]  # fmt: skip
+        with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), strategy=strategy,
+                               num_workers=2) as dm:  # fmt: skip
+            train_and_compare(dm, Reference(sgd()), batches(3))
+            programs[enable] = dm.dist_main_program()
+    assert programs[True] == programs[False]
 
 
 class TwoStages(paddle.nn.Layer):

@@ -22,17 +22,17 @@ def test_mesh_coordinates():
 def test_data_layout_splits_along_dp_and_replicates_along_mp():
     layout = data_layout(MESH, "dp", 2)
     x = np.arange(16).reshape(8, 2)
-    pieces = layout.split(x)
-    assert set(pieces) == {(0,), (1,)}
-    np.testing.assert_array_equal(pieces[(1,)], x[4:])
+    local = {r: layout.local(x, r) for r in range(4)}
+    np.testing.assert_array_equal(local[0], x[:4])
+    np.testing.assert_array_equal(local[1], x[:4])  # the mp peer reads the same rows
+    np.testing.assert_array_equal(local[2], x[4:])
+    assert np.shares_memory(local[0], x)  # a view: nothing copied on the rank
     assert layout.key(0) == layout.key(1) == (0,) and layout.key(2) == layout.key(3) == (1,)
     assert layout.readers() == [0, 2]
-    np.testing.assert_array_equal(layout.assemble({r: pieces[layout.key(r)] for r in range(4)}), x)
+    np.testing.assert_array_equal(layout.assemble(local), x)
     assert data_layout(MESH, None, 2).readers() == [0]
     with pytest.raises(ValueError, match="not dims of the mesh"):
         data_layout(MESH, "pp", 2)
-    with pytest.raises(ValueError, match="does not divide"):
-        layout.split(x[:7])
 
 
 def test_assemble_two_dim_sharding_and_partials():
@@ -58,17 +58,44 @@ def test_cpu_environment():
     assert "CUDA_VISIBLE_DEVICES" not in env and "FLAGS_selected_gpus" not in env and "POD_NAME" not in env
 
 
-def test_gpu_environment_shares_the_node_gpus_in_id_order():
+def test_gpu_environment_selects_the_gpu_ray_gave_each_rank():
     # Ray gave rank 0 GPU 3 and rank 1 GPU 1 on node n1; rank 2 GPU 0 on node n2.
     places = [RankPlace("n1", "a", ("3",)), RankPlace("n1", "a", ("1",)), RankPlace("n2", "b", ("0",))]
     eps = ["a:1", "a:2", "b:1"]
     envs = [paddle_env(r, places, eps, "a:9", use_gpu=True) for r in range(3)]
     assert all(e["PADDLE_DISTRI_BACKEND"] == "nccl" for e in envs)
-    assert envs[0]["CUDA_VISIBLE_DEVICES"] == envs[1]["CUDA_VISIBLE_DEVICES"] == "1,3"
-    assert [e["FLAGS_selected_gpus"] for e in envs] == ["0", "1", "0"]  # rank 0 takes the lower id
+    assert envs[0]["CUDA_VISIBLE_DEVICES"] == envs[1]["CUDA_VISIBLE_DEVICES"] == "1,3"  # the node's, shared
+    # each rank uses the GPU Ray accounts to it: rank 0 GPU 3 (index 1 of "1,3"), rank 1 GPU 1 (index 0)
+    for env, place in zip(envs, places):
+        visible = env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible[int(env["FLAGS_selected_gpus"])] == place.gpu_ids[0]
+    assert [e["FLAGS_selected_gpus"] for e in envs] == ["1", "0", "0"]
     assert envs[2]["CUDA_VISIBLE_DEVICES"] == "0"
-    with pytest.raises(ValueError, match="GPUs"):
+    with pytest.raises(ValueError, match="no GPU from Ray"):
         paddle_env(0, [RankPlace("n1", "a", ())] * 2, eps[:2], "a:9", use_gpu=True)
+
+
+def test_gpu_environment_sorts_the_node_gpus_as_ray_train_shares_them():
+    """Ray Train's share_cuda_visible_devices sorts the node's ids as strings ("10" < "2"); the
+    Ray Train integration leaves CUDA_VISIBLE_DEVICES to it and selects by the same order."""
+    from ray.train.v2._internal.callbacks.accelerators import _get_visible_accelerator_ids_per_worker
+    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata
+
+    ids = [("2",), ("10",), ("0",)]
+    places = [RankPlace("n1", "a", g) for g in ids]
+    metas = [ActorMetadata(hostname="h", node_id="n1", node_ip="a", pid=1, accelerator_ids={"GPU": list(g)})
+             for g in ids]  # fmt: skip
+    shared = _get_visible_accelerator_ids_per_worker(metas, "GPU")
+    envs = [paddle_env(r, places, ["a:1", "a:2", "a:3"], "a:9", use_gpu=True) for r in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == shared
+    for env, gpu in zip(envs, ids):
+        assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["FLAGS_selected_gpus"])] == gpu[0]
+
+
+def test_paddle_logs_are_quiet_unless_asked_for():
+    places, eps = [RankPlace("n1", "a")], ["a:1"]
+    assert paddle_env(0, places, eps, "a:9", use_gpu=False)["GLOG_minloglevel"] == "2"
+    assert "GLOG_minloglevel" not in paddle_env(0, places, eps, "a:9", use_gpu=False, paddle_logs=True)
 
 
 def test_spec_checks():
@@ -84,14 +111,14 @@ def test_spec_checks():
         laid.check(TensorSpec("x", (4, 3), "float32", data_layout(MESH, None, 2)), "input")
 
 
-def test_driver_imports_no_rank_code():
-    code = "import raydist, sys; print(sorted(m for m in sys.modules if m.startswith(('raydist.', 'paddle'))))"
+def test_importing_raydist_imports_no_paddle_and_no_rank_code():
+    code = "import raydist, sys; print(sorted(m for m in sys.modules if m.startswith(('raydist', 'paddle'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "raydist.compat" not in out and "raydist.runner" not in out and "'paddle'" not in out
+    assert "raydist.worker" not in out and "raydist.compat" not in out and "'paddle'" not in out
 
 
 def test_default_data_meshes_follow_pipeline_stages():
-    from raydist.model import _data_meshes
+    from raydist.driver.model import _data_meshes
     from raydist.topology import Mesh, stages
 
     dpmp = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])

@@ -15,6 +15,14 @@ Paddle 3.3.1 defects answered here (``paddle/distributed/auto_parallel/api.py``
    startup program only for mode "train", so a model without an optimizer
    (eval or predict first) runs with uninitialised parameters. Fix: the first
    mode prepared is initialised as train would be (`build`, ``first=True``).
+   That initialisation (``ProgramHelper.init_pir``) may run once per engine:
+   it shares the layer's parameters into the scope and frees them, and a
+   second run reshards freed tensors (measured: SIGSEGV in
+   ``reshard_ad_function``). And the train program's startup program (the
+   optimizer's state) runs only while the engine has no executor. So a train
+   program built after another mode skips ``init_pir`` and runs its startup
+   program on a new executor, which keeps what the scope already holds
+   (`build`, mode "train" and ``first=False``).
 3. ``Engine._loss_names`` is overwritten by the last mode built, so the loss
    fetched in train after building eval or predict is the wrong one or none.
    Fix: `build` returns the names to fetch per mode, right after that mode is built.
@@ -74,6 +82,8 @@ def build(engine, mode: str, *, first: bool) -> list[str]:
         engine._labels_spec = []  # predict programs take inputs only
     if first and mode != "train":
         _initialize_as_train(engine)
+    elif mode == "train" and not first:
+        _initialize_train_after_another_mode(engine)
     try:
         engine._prepare_program(mode, init_parameters=False)
     finally:
@@ -93,6 +103,7 @@ def shard_by_strategy(optimizer, strategy, parameters):
     from paddle.distributed.auto_parallel.api import _ShardOptimizer
 
     from ..errors import UsageError
+    from ..topology import Mesh
 
     section = strategy.sharding if strategy is not None else None
     if not _applied or section is None or not section.enable or isinstance(optimizer, _ShardOptimizer):
@@ -100,7 +111,7 @@ def shard_by_strategy(optimizer, strategy, parameters):
     mesh = next((p.process_mesh for p in parameters if p.is_dist()), None)
     if mesh is None:
         raise UsageError("strategy.sharding needs a model whose parameters are on a mesh (dist.shard_tensor)")
-    mesh = dist.ProcessMesh(np.array(mesh.process_ids).reshape(mesh.shape).tolist(), dim_names=list(mesh.dim_names))
+    mesh = Mesh.of_paddle(mesh).to_paddle()  # a mesh of its own, not the parameter's
     dim = "dp" if "dp" in mesh.dim_names else mesh.dim_names[0]
     size = mesh.get_dim_size(dim)
     if section.degree not in (size, _DEFAULT_SHARDING_DEGREE):
@@ -180,12 +191,31 @@ def _initialize_as_train(engine) -> None:
     engine._initialize = initialize
 
 
+def _initialize_train_after_another_mode(engine) -> None:
+    # the parameters are in the scope already: only train's startup program runs
+    original = type(engine)._initialize
+
+    def initialize(mode, init_parameters=True):
+        helper = engine.program_helper
+        helper.init_pir = lambda *args, **kwargs: None
+        engine._executor = None  # _initialize runs the startup program only for a new executor
+        try:
+            return original(engine, mode, init_parameters)
+        finally:
+            del helper.init_pir
+
+    engine._initialize = initialize
+
+
 def apply() -> None:
     global _applied
     if _applied:
         return
     expect_source(_engine.Engine._initialize, 'if mode != "train":', fix="engine")
     expect_source(_engine.Engine._initialize, "self._executor._set_plan(self._job_plan)", fix="engine")
+    expect_source(_engine.Engine._initialize, "self.program_helper.init_pir(", "if self._executor is None:",
+                  fix="engine")  # fmt: skip
+    expect_source(_helper.ProgramHelper.init_pir, "param.get_tensor()._clear()", fix="engine")
     expect_source(_engine.Engine.run, 'loss_job_type = f"forward{vpp_degree - 1}"', fix="engine")
     expect_source(_engine.Engine.get_dist_main_program, "self._pir_dist_main_progs[self._mode]", fix="engine")
     expect_source(_helper.ProxyLayer._predict, "self._output_vars[mode] = self.inner_layer(*inputs)", fix="engine")

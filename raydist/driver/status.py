@@ -31,6 +31,11 @@ def status(timeout_s: float = 10.0) -> list[RankStatus]:
     """
     if not ray.is_initialized():
         return []
+    # Ray's state API (ray.util.state.list_actors) would filter by class and
+    # state, but it answers through the dashboard: measured here, it fails with
+    # ServerUnavailable under ray.init(include_dashboard=False). The named-actor
+    # list comes from the GCS, which every cluster has; ranks are named
+    # "<group>-rank-<i>" (raydist.driver.group).
     actors = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         match = _RANK_NAME.match(entry["name"])

@@ -6,6 +6,7 @@ starts a fresh group of ranks (on other nodes if needed), restores the latest
 checkpoint, resumes the data at its epoch and step, and goes on, up to
 ``max_failures`` times. The data's order depends only on the epoch (and the
 loader's seed), so a run that lost a rank ends where an undisturbed one does.
+The loop uses the model's public API only (calls, ``save``, ``restart``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from . import checkpoint
-from .errors import RankError
+from .. import checkpoint
+from ..errors import RankError
 
 if TYPE_CHECKING:
-    from .data import ShardDataloader
+    from ..data import ShardDataloader
     from .model import DistModel
 
 log = logging.getLogger("raydist")
@@ -75,7 +76,6 @@ class _Run:
         epoch0, step0, _ = self.resume
         pending: collections.deque = collections.deque()
         for epoch in range(epoch0, self.epochs):
-            self.loader.bind(self.dm._group)
             for step, batch in enumerate(self.loader.epoch(epoch, step0 if epoch == epoch0 else 0),
                                          step0 if epoch == epoch0 else 0):  # fmt: skip
                 pending.append(self.dm(*(batch.values() if isinstance(batch, dict) else batch)))

@@ -1,4 +1,4 @@
-"""Sharded data loaders: a dataset split per data-parallel group, read by the ranks.
+"""The driver's side of a sharded data loader: handles, epochs, and who reads what.
 
 ``raydist.shard_dataloader`` is Paddle's ``shard_dataloader`` for Ray. The
 driver iterates the loader as in Paddle, but what it gets are `Handle`s, not
@@ -17,7 +17,7 @@ Every split holds the same number of rows, so every epoch ends at the same
 step on every rank, and the driver knows that step in advance (`len`).
 Readers read up to ``prefetch`` steps ahead of the model, in a thread of
 their own, while the current step runs; the driver sends them nothing per
-step (see `raydist.reader`).
+step (see `raydist.worker.data`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,18 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import pickling
-from .specs import TensorSpec
-from .topology import Mesh, data_layout
+from ..messages import ReadOrder
+from ..protocol import RankActor
+from ..specs import TensorSpec
+from ..topology import Mesh, data_layout
+from .sources import Field, source_of
+
+if TYPE_CHECKING:
+    from ..driver.client import RankClient
 
 _ids = itertools.count()
 
@@ -58,15 +63,6 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"raydist.Handle(epoch={self.epoch}, step={self.step}, key={self.key!r})"
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """One column of the rows: its key, per-row shape and dtype."""
-
-    key: str | int
-    shape: tuple[int, ...]
-    dtype: np.dtype
 
 
 class ShardDataloader:
@@ -108,7 +104,7 @@ class ShardDataloader:
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         self.prefetch = prefetch
-        self._source = _source(dataset)
+        self._source = source_of(dataset)
         fields = {f.key: f for f in self._source.fields()}
         keys = list(input_keys) if input_keys is not None else list(fields)
         missing = [k for k in keys if k not in fields]
@@ -121,7 +117,7 @@ class ShardDataloader:
         self._id = next(_ids)
         self._rows: int | None = None
         self._specs_by_key: dict | None = None
-        self._group = None  # the RankGroup whose ranks read (set by the DistModel)
+        self._client: RankClient | None = None  # the ranks that read (set by the DistModel)
         self._epoch: _Epoch | None = None
         self._epochs = itertools.count()
 
@@ -180,19 +176,19 @@ class ShardDataloader:
             out.append(TensorSpec(str(f.key), (self.batch_size, *f.shape), str(f.dtype), layout))
         return out
 
-    def bind(self, group) -> None:
-        """Read with ``group``'s ranks from now on (from the next epoch)."""
-        if self._group is not group:
+    def bind(self, client: "RankClient") -> None:
+        """Read with ``client``'s ranks from now on (a DistModel binds its loader)."""
+        if self._client is not client:
             if self._epoch is not None and self._epoch.opened:
                 self._epoch = None  # its readers were the other group's ranks
-            self._group = group
+            self._client = client
 
     def take(self, handle: Handle) -> None:
         """A DistModel call consumes the batch ``handle`` stands for (the epoch's next)."""
         epoch = self._epoch
         if epoch is None or handle.epoch != epoch.number:
             raise ValueError(f"{handle!r} belongs to a finished epoch: start a new one with loader()")
-        if self._group is None:
+        if self._client is None:
             raise RuntimeError("the loader is not bound to a DistModel")
         epoch.take(handle.step)
 
@@ -252,109 +248,15 @@ class _Epoch:
         self.taken += 1
 
     def _open(self) -> None:
-        loader, group = self.loader, self.loader._group
-        sources = loader._source.splits(loader, self.number)
-        keys = [f.key for f in loader.fields]
-        for g, (reader, source) in enumerate(zip(loader.readers(), sources)):
-            members = [None if r == reader else group.actors[r] for r in loader.members(g, len(group))]
-            group.actors[reader].data_open.remote(
-                loader._id, self.number, self.start, self.steps, source, loader.local_batch_size,
-                loader.drop_last, keys, members, loader.prefetch, loader.chunk(),
-            )  # fmt: skip
+        loader, client = self.loader, self.loader._client
+        splits = loader._source.splits(loader.dp, self.number, loader.shuffle, loader.seed)
+        keys = tuple(f.key for f in loader.fields)
+        for g, (reader, split) in enumerate(zip(loader.readers(), splits)):
+            order = ReadOrder(loader._id, self.number, self.start, self.steps, split, loader.local_batch_size,
+                              loader.drop_last, keys, loader.prefetch, loader.chunk())  # fmt: skip
+            members = [None if r == reader else client.actor(r) for r in loader.members(g, client.size)]
+            client.tell(reader, RankActor.data_open, order, members)
         self.opened = True
-
-
-# -- sources --------------------------------------------------------------------------
-
-
-class _RaySource:
-    dict_rows = True
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def fields(self) -> list[Field]:
-        schema = self.dataset.schema()
-        if schema is None:
-            raise ValueError("the dataset has no schema (is it empty?)")
-        out = []
-        for name, typ in zip(schema.names, schema.types):
-            shape = tuple(getattr(typ, "shape", None) or ())  # Ray's tensor columns: the per-row shape
-            scalar = getattr(typ, "value_type", typ)  # their element type
-            out.append(Field(name, shape, _np_dtype(scalar)))
-        return out
-
-    def count(self) -> int:
-        meta = getattr(self.dataset, "_meta_count", lambda: None)()
-        return int(meta if meta is not None else self.dataset.count())
-
-    @staticmethod
-    def rows_per_group(rows: int, dp: int) -> int:
-        return rows // dp  # streaming_split(equal=True) drops the remainder
-
-    def splits(self, loader: ShardDataloader, epoch: int) -> list:
-        from ray.data import Dataset
-
-        ds = self.dataset
-        if loader.shuffle:
-            ds = ds.random_shuffle(seed=None if loader.seed is None else loader.seed + epoch)
-        ds = Dataset.copy(ds, _deep_copy=True)  # leave the user's dataset's context alone
-        ds.context.execution_options.preserve_order = True  # the same split in every run
-        ds.context.enable_progress_bars = False  # the training loop has its own
-        return ds.streaming_split(loader.dp, equal=True)
-
-
-class _PaddleSource:
-    def __init__(self, dataset, pickled: bytes):
-        self.dataset = dataset
-        self.sample = dataset[0]
-        self.dict_rows = isinstance(self.sample, dict)
-        self.pickled = pickled
-        self.ref = None
-
-    def fields(self) -> list[Field]:
-        items = self.sample.items() if self.dict_rows else enumerate(_as_tuple(self.sample))
-        return [Field(k, np.shape(v), np.asarray(v).dtype) for k, v in items]
-
-    def count(self) -> int:
-        return len(self.dataset)
-
-    @staticmethod
-    def rows_per_group(rows: int, dp: int) -> int:
-        return math.ceil(rows / dp)  # DistributedBatchSampler pads with repeated samples
-
-    def splits(self, loader: ShardDataloader, epoch: int) -> list:
-        if self.ref is None:
-            import ray
-
-            self.ref = ray.put(self.pickled)  # once, for every reader and epoch
-        sampler = dict(shuffle=loader.shuffle, epoch=epoch + (loader.seed or 0), num_replicas=loader.dp)
-        return [("paddle", self.ref, dict(sampler, rank=g)) for g in range(loader.dp)]
-
-
-def _source(dataset):
-    import ray.data
-
-    if isinstance(dataset, ray.data.Dataset):
-        return _RaySource(dataset)
-    import paddle
-
-    if isinstance(dataset, paddle.io.IterableDataset):
-        raise TypeError("iterable paddle datasets have no length to split; use a ray.data.Dataset")
-    if isinstance(dataset, paddle.io.Dataset):
-        return _PaddleSource(dataset, pickling.dumps(dataset, "the paddle.io.Dataset"))
-    raise TypeError(f"dataset must be a ray.data.Dataset or a paddle.io.Dataset, got {type(dataset).__name__}")
-
-
-def _as_tuple(sample):
-    return sample if isinstance(sample, (list, tuple)) else (sample,)
-
-
-def _np_dtype(arrow_type) -> np.dtype:
-    try:
-        return np.dtype(arrow_type.to_pandas_dtype())
-    except (AttributeError, TypeError, NotImplementedError):
-        return np.dtype(object)
 
 
 def _check_dtype(field: Field) -> None:
@@ -370,7 +272,7 @@ def _as_mesh(mesh) -> Mesh:
     if isinstance(mesh, Mesh):
         return mesh
     try:
-        return Mesh(tuple(mesh.shape), tuple(mesh.process_ids), tuple(mesh.dim_names))
+        return Mesh.of_paddle(mesh)
     except AttributeError:
         raise TypeError(f"meshes must be paddle.distributed.ProcessMesh objects, got {type(mesh).__name__}") from None
 
@@ -418,15 +320,3 @@ def shard_dataloader(
     to the DistModel: ``for batch in loader(): dm(batch["x"], batch["y"])``.
     """
     return ShardDataloader(dataset, meshes, input_keys, shard_dims, batch_size, shuffle, seed, drop_last, prefetch)
-
-
-def handles_in(args) -> list[Handle]:
-    """The `Handle`s among call arguments (lists flattened)."""
-    out = []
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            out.extend(handles_in(a))
-        elif isinstance(a, Handle):
-            out.append(a)
-    return out
-

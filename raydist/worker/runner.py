@@ -1,4 +1,4 @@
-"""Paddle's static ``DistModel`` inside one rank. Rank-only: imports Paddle.
+"""Paddle's static ``DistModel`` inside one rank.
 
 Builds each mode's program once (through `raydist.compat.engine`, which keeps
 Paddle 3.3.1's predict and eval-only defects away), feeds the rank's local
@@ -18,17 +18,12 @@ import paddle.distributed as dist
 from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static.dist_input_spec import DistributedInputSpec
 
-from .compat import engine as compat_engine
-from .strategy import micro_batches
-from .specs import TensorSpec
-from .topology import Layout, Mesh, ModePlan
+from ..compat import engine as compat_engine
+from ..specs import TensorSpec
+from ..strategy import micro_batches
+from ..topology import Layout, Mesh, ModePlan
 
-MODES = ("train", "eval", "predict")
 _REDUCE_NAMES = {0: "sum", 1: "max", 2: "min", 3: "prod", 4: "avg"}
-
-
-def mesh_of(process_mesh) -> Mesh:
-    return Mesh(tuple(process_mesh.shape), tuple(process_mesh.process_ids), tuple(process_mesh.dim_names))
 
 
 def layout_of_tensor(tensor) -> Layout:
@@ -40,14 +35,14 @@ def layout_of_tensor(tensor) -> Layout:
             dims_mapping[p.get_dim()] = mesh_dim
         elif p.is_partial():
             partial.append((mesh_dim, _reduce_name(p.reduce_type())))
-    return Layout(mesh_of(tensor.process_mesh), tuple(dims_mapping), tuple(partial))
+    return Layout(Mesh.of_paddle(tensor.process_mesh), tuple(dims_mapping), tuple(partial))
 
 
 def layout_of_value(value) -> Layout:
     """Layout of a value of a PIR dist program (from its dist attribute)."""
     attr = value.dist_attr()
     partial = tuple(sorted((int(d), _reduce_name(r)) for d, r in attr.partial_status.items()))
-    return Layout(mesh_of(attr.process_mesh), tuple(attr.dims_mapping), partial)
+    return Layout(Mesh.of_paddle(attr.process_mesh), tuple(attr.dims_mapping), partial)
 
 
 def _reduce_name(reduce_type) -> str:
@@ -58,8 +53,7 @@ def paddle_spec(spec: TensorSpec, micro_batches: int = 1) -> DistributedInputSpe
     """Paddle's spec of a GLOBAL input; programs that split batches into
     ``micro_batches`` (gradient merge, pipelines) are built for one micro-batch,
     as Paddle's ``Engine._validate_spec`` does."""
-    mesh = dist.ProcessMesh(np.array(spec.layout.mesh.process_ids).reshape(spec.layout.mesh.shape).tolist(),
-                            dim_names=list(spec.layout.mesh.dim_names))  # fmt: skip
+    mesh = spec.layout.mesh.to_paddle()
     placements = [dist.Replicate() for _ in spec.layout.mesh.shape]
     for tensor_dim, mesh_dim in enumerate(spec.layout.dims_mapping):
         if mesh_dim >= 0:

@@ -5,29 +5,38 @@ A `DistModel` call dispatches a step to every rank and returns at once: a
 number. At most ``max_in_flight`` steps are outstanding; dispatching one
 more first completes the oldest, so a failure surfaces at most that many
 calls later, as a `RankError` naming the step, the rank and its traceback.
-Mode switches, state, programs and shutdown complete every step first.
+
+Steps complete in order, from any thread (a progress thread may read a
+`Loss` while the main thread sends). Ctrl-C (``KeyboardInterrupt``) while
+waiting for a step leaves that step and the later ones in flight: the ranks
+go on with them, their losses stay readable, and the next call waits for them
+first. A step is never half sent: an interrupt during a send is raised once
+the step is counted.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import numbers
 import operator
+import signal
+import threading
 from typing import Any, Callable
 
 import numpy as np
 
 
 class Step:
-    """One dispatched step: its refs (one per rank) until done, then its result or error."""
+    """One dispatched step: its ticket (what the transport returned) until done, then its result or error."""
 
-    __slots__ = ("number", "refs", "finish", "_window", "_value", "_error", "done")
+    __slots__ = ("number", "ticket", "finish", "_window", "_value", "_error", "done")
 
-    def __init__(self, number: int, refs: list, finish: Callable[[list, str], Any], window: "Window"):
+    def __init__(self, number: int, ticket: Any, finish: Callable[[Any, str], Any], window: "Window"):
         self.number = number
-        self.refs = refs
-        self.finish = finish  # (refs, "step N") -> the step's result, raising a rank's failure
+        self.ticket = ticket
+        self.finish = finish  # (ticket, "step N") -> the step's result, raising a rank's failure
         self._window = window
         self._value = None
         self._error: BaseException | None = None
@@ -43,23 +52,27 @@ class Step:
 
 
 class Window:
-    """The steps in flight, oldest first, at most ``size`` of them."""
+    """The steps in flight, oldest first, at most ``size`` of them; numbered from ``first``."""
 
-    def __init__(self, size: int):
-        if not isinstance(size, int) or size < 1:
+    def __init__(self, size: int, first: int = 0):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"max_in_flight must be a positive int, got {size!r}")
         self.size = size
         self._steps: collections.deque[Step] = collections.deque()
-        self._count = 0
+        self._count = first
+        self._lock = threading.Lock()  # the deque and the count
+        self._completing = threading.Lock()  # one thread waits for the oldest step at a time
 
-    def submit(self, send: Callable[[], list], finish: Callable[[list, str], Any]) -> Step:
-        """Make room (complete the oldest steps), then ``send`` one: its refs, one per rank."""
-        while len(self._steps) >= self.size:
+    def submit(self, send: Callable[[], Any], finish: Callable[[Any, str], Any]) -> Step:
+        """Make room (complete the oldest steps), then ``send`` one; ``send`` returns its ticket."""
+        while True:
+            with _interrupts_deferred(), self._lock:
+                if len(self._steps) < self.size:
+                    step = Step(self._count, send(), finish, self)
+                    self._count += 1
+                    self._steps.append(step)
+                    return step
             self._complete_oldest()
-        step = Step(self._count, send(), finish, self)
-        self._count += 1
-        self._steps.append(step)
-        return step
 
     def complete_through(self, step: Step) -> None:
         while not step.done:
@@ -75,22 +88,51 @@ class Window:
 
     @property
     def submitted(self) -> int:
-        """Steps sent so far."""
+        """The number the next step will get (steps sent so far, counted from ``first``)."""
         return self._count
 
     def _complete_oldest(self) -> None:
-        step = self._steps.popleft()
-        try:
-            step._value = step.finish(step.refs, f"step {step.number}")
-        except BaseException as e:
-            step._error = e
-            for later in self._steps:  # the group is gone: they cannot complete
-                later._error, later.done = e, True
-            self._steps.clear()
-            raise
-        finally:
-            step.done = True
-            step.refs = None
+        with self._completing:
+            with self._lock:
+                if not self._steps:
+                    return
+                step = self._steps[0]
+            try:
+                value = step.finish(step.ticket, f"step {step.number}")
+            except KeyboardInterrupt as e:
+                raise KeyboardInterrupt(self._interrupted(step)) from e
+            except BaseException as e:
+                with self._lock:
+                    for failed in self._steps:  # the group is gone: the later steps cannot complete
+                        failed._error, failed.done, failed.ticket = e, True, None
+                    self._steps.clear()
+                raise
+            with self._lock:
+                self._steps.popleft()
+                step._value, step.done, step.ticket = value, True, None
+
+    def _interrupted(self, step: Step) -> str:
+        last = self._count - 1
+        steps = f"step {step.number}" if last == step.number else f"steps {step.number}-{last}"
+        return (f"while waiting for step {step.number}: {steps} still run on the ranks; their results stay "
+                "readable, and the next call waits for them first")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold Ctrl-C back (main thread only) until the block is done, then raise it."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # fmt: skip
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt("the step was sent first: it runs, and its result stays readable")
 
 
 def _number_op(op):
@@ -127,7 +169,7 @@ class Loss:
 
     @property
     def step(self) -> int:
-        """The step's number (0 for the model's first)."""
+        """The step's number (0 for the model's first; counted across restarts)."""
         return self._step.number
 
     def __float__(self) -> float:

@@ -1,4 +1,4 @@
-"""One rank of an unmodified SPMD Paddle script: ``python -m raydist.spmd SCRIPT [ARGS...]``.
+"""One rank of an unmodified SPMD Paddle script: ``python -m raydist.integrations.spmd SCRIPT [ARGS...]``.
 
 `raydist launch` starts this in a subprocess of each rank's actor, with the
 environment ``paddle.distributed.launch`` would set. On CPU it applies
@@ -17,13 +17,13 @@ import warnings
 
 def main(argv: list[str]) -> None:
     if not argv:
-        raise SystemExit("usage: python -m raydist.spmd SCRIPT [ARGS...]")
+        raise SystemExit("usage: python -m raydist.integrations.spmd SCRIPT [ARGS...]")
     script = argv[0]
     if os.environ.get("PADDLE_DISTRI_BACKEND") == "gloo":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
             import paddle
-        from . import compat
+        from .. import compat
 
         compat.apply(use_gpu=False)
         paddle.set_device("cpu")

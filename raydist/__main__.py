@@ -1,0 +1,5 @@
+"""``python -m raydist launch ...``: the ``raydist`` command."""
+
+from .integrations.launch import cli
+
+cli()

@@ -1,0 +1,171 @@
+"""Where a loader's rows come from: a Ray Dataset or a paddle.io.Dataset, and its splits.
+
+The driver asks a source for its columns and length and for one split per
+data-parallel group each epoch; a split travels to its group's reader rank,
+which reads it in chunks of local batches (`Split.chunks`). Paddle is
+imported only where a paddle dataset is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .. import pickling
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One column of the rows: its key, per-row shape and dtype."""
+
+    key: str | int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+class RaySource:
+    """A ``ray.data.Dataset``: split with ``streaming_split(dp, equal=True)``, in order."""
+
+    dict_rows = True
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def fields(self) -> list[Field]:
+        schema = self.dataset.schema()
+        if schema is None:
+            raise ValueError("the dataset has no schema (is it empty?)")
+        out = []
+        for name, typ in zip(schema.names, schema.types):
+            shape = tuple(getattr(typ, "shape", None) or ())  # Ray's tensor columns: the per-row shape
+            scalar = getattr(typ, "value_type", typ)  # their element type
+            out.append(Field(name, shape, _np_dtype(scalar)))
+        return out
+
+    def count(self) -> int:
+        meta = getattr(self.dataset, "_meta_count", lambda: None)()
+        return int(meta if meta is not None else self.dataset.count())
+
+    @staticmethod
+    def rows_per_group(rows: int, dp: int) -> int:
+        return rows // dp  # streaming_split(equal=True) drops the remainder
+
+    def splits(self, dp: int, epoch: int, shuffle: bool, seed: int | None) -> list["RaySplit"]:
+        from ray.data import Dataset
+
+        ds = self.dataset
+        if shuffle:
+            ds = ds.random_shuffle(seed=None if seed is None else seed + epoch)
+        ds = Dataset.copy(ds, _deep_copy=True)  # leave the user's dataset's context alone
+        ds.context.execution_options.preserve_order = True  # the same split in every run
+        ds.context.enable_progress_bars = False  # the training loop has its own
+        return [RaySplit(it) for it in ds.streaming_split(dp, equal=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RaySplit:
+    """One group's ``streaming_split`` iterator."""
+
+    iterator: Any
+
+    def chunks(self, batch_size: int, drop_last: bool, keys: list, chunk: int) -> Iterator[list[dict]]:
+        """Lists of up to ``chunk`` local batches, in order: one Ray Data batch per chunk."""
+        for block in self.iterator.iter_batches(batch_size=batch_size * chunk, batch_format="numpy", drop_last=False):
+            n = len(block[keys[0]])
+            starts = list(range(0, n - n % batch_size, batch_size))
+            group = [{k: np.ascontiguousarray(block[k][a : a + batch_size]) for k in keys} for a in starts]
+            if n % batch_size and not drop_last:  # only the split's last block can be short
+                group.append({k: np.ascontiguousarray(block[k][len(starts) * batch_size :]) for k in keys})
+            if group:
+                yield group
+
+
+class PaddleSource:
+    """A picklable ``paddle.io.Dataset``, read as Paddle's ``DistributedBatchSampler`` reads it."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.sample = dataset[0]
+        self.dict_rows = isinstance(self.sample, dict)
+        self.pickled = pickling.dumps(dataset, "the paddle.io.Dataset")
+        self.ref = None
+
+    def fields(self) -> list[Field]:
+        items = self.sample.items() if self.dict_rows else enumerate(_as_tuple(self.sample))
+        return [Field(k, np.shape(v), np.asarray(v).dtype) for k, v in items]
+
+    def count(self) -> int:
+        return len(self.dataset)
+
+    @staticmethod
+    def rows_per_group(rows: int, dp: int) -> int:
+        return math.ceil(rows / dp)  # DistributedBatchSampler pads with repeated samples
+
+    def splits(self, dp: int, epoch: int, shuffle: bool, seed: int | None) -> list["PaddleSplit"]:
+        if self.ref is None:
+            import ray
+
+            self.ref = ray.put(self.pickled)  # once, for every reader and epoch
+        return [PaddleSplit(self.ref, dp, g, shuffle, epoch + (seed or 0)) for g in range(dp)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddleSplit:
+    """Group ``rank`` of ``num_replicas`` of a paddle dataset (put once in Ray's object store)."""
+
+    dataset: Any  # ObjectRef of the pickled dataset
+    num_replicas: int
+    rank: int
+    shuffle: bool
+    epoch: int
+
+    def chunks(self, batch_size: int, drop_last: bool, keys: list, chunk: int) -> Iterator[list[dict]]:
+        batches = self._batches(batch_size, drop_last, keys)
+        while group := [b for _, b in zip(range(chunk), batches)]:
+            yield group
+
+    def _batches(self, batch_size: int, drop_last: bool, keys: list) -> Iterator[dict]:
+        import ray
+        from paddle.io import DistributedBatchSampler
+        from paddle.io.dataloader.collate import default_collate_fn
+
+        dataset = pickling.loads(ray.get(self.dataset))
+        sampler = DistributedBatchSampler(dataset, batch_size=batch_size, num_replicas=self.num_replicas,
+                                          rank=self.rank, shuffle=self.shuffle, drop_last=drop_last)  # fmt: skip
+        sampler.set_epoch(self.epoch)
+        for indices in sampler:
+            batch = default_collate_fn([_as_row(dataset[i]) for i in indices])  # numpy in, numpy out
+            yield {k: np.asarray(batch[k]) for k in keys}
+
+
+def source_of(dataset) -> RaySource | PaddleSource:
+    import ray.data
+
+    if isinstance(dataset, ray.data.Dataset):
+        return RaySource(dataset)
+    import paddle
+
+    if isinstance(dataset, paddle.io.IterableDataset):
+        raise TypeError("iterable paddle datasets have no length to split; use a ray.data.Dataset")
+    if isinstance(dataset, paddle.io.Dataset):
+        return PaddleSource(dataset)
+    raise TypeError(f"dataset must be a ray.data.Dataset or a paddle.io.Dataset, got {type(dataset).__name__}")
+
+
+def _as_tuple(sample):
+    return sample if isinstance(sample, (list, tuple)) else (sample,)
+
+
+def _as_row(sample):
+    return sample if isinstance(sample, (dict, list, tuple)) else (sample,)
+
+
+def _np_dtype(arrow_type) -> np.dtype:
+    try:
+        return np.dtype(arrow_type.to_pandas_dtype())
+    except (AttributeError, TypeError, NotImplementedError):
+        return np.dtype(object)

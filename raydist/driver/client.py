@@ -1,0 +1,118 @@
+"""The driver's one path to a group of ranks: control calls, steps, and the errors of both.
+
+Everything the driver asks of the ranks goes through a `RankClient`:
+
+- `RankClient.call` runs one `raydist.protocol.RankActor` endpoint on every rank
+  (``client.call(RankActor.state_meta, "param")``) after the steps in flight
+  are done, so a mode switch, a state read or a save never overtakes a step;
+- `RankClient.step` sends a step message through the transport
+  (`raydist.driver.transport`) into the window of steps in flight
+  (`raydist.driver.steps`);
+- every failure, from either, reaches the caller through `RankGroup.gather`:
+  `RankError` naming the rank, the group torn down once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from ..messages import StepMessage
+from .group import RankGroup, call_on
+from .steps import Step, Window
+from .transport import open_transport
+
+# A step's ranks get this much longer than step_timeout_s at the driver, so a rank's
+# own timeout (waiting step_timeout_s for its loader batch) is what gets reported.
+REPORT_GRACE_S = 5.0
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RankClient:
+    """The ranks of one `RankGroup`, the steps in flight to them, and how steps travel.
+
+    ``first_step``: the number of the first step (steps are counted across
+    restarts, so errors and checkpoints name the right one).
+    """
+
+    def __init__(self, group: RankGroup, *, max_in_flight: int, compiled: bool, step_timeout: float | None,
+                 first_step: int = 0):  # fmt: skip
+        self.group = group
+        self.window = Window(max_in_flight, first_step)
+        self._compiled = compiled
+        self._timeout = None if step_timeout is None else step_timeout + REPORT_GRACE_S
+        self._transport = None
+        self._opening = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return len(self.group)
+
+    @property
+    def alive(self) -> bool:
+        return self.group.alive
+
+    @property
+    def transport(self) -> str | None:
+        """"compiled" or "calls" once the first step opened it."""
+        return None if self._transport is None else self._transport.name
+
+    def actor(self, rank: int):
+        """``rank``'s actor handle (for ranks that call each other, e.g. a loader's readers)."""
+        return self.group.actors[rank]
+
+    def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, ranks: Sequence[int] | None = None,
+             **kwargs: P.kwargs) -> list[R]:  # fmt: skip
+        """``method``'s results from every rank (or ``ranks``), in order, once every step in flight is done."""
+        self.window.drain()
+        self.group.check_alive()
+        ranks = list(range(self.size)) if ranks is None else list(ranks)
+        refs = call_on([self.group.actors[r] for r in ranks], method, *args, **kwargs)
+        return self.group.gather(refs, method.__name__, ranks)
+
+    def call_each(self, method: Callable[..., R], args: dict[int, tuple]) -> list[R]:
+        """``method``'s results from the ranks of ``args``, each called with its own arguments."""
+        self.window.drain()
+        self.group.check_alive()
+        refs = [getattr(self.group.actors[r], method.__name__).remote(*a) for r, a in args.items()]
+        return self.group.gather(refs, method.__name__, list(args))
+
+    def tell(self, rank: int, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
+        """Call ``method`` on ``rank`` without waiting; its failures reach the steps that need it."""
+        self.group.check_alive()
+        call_on([self.group.actors[rank]], method, *args, **kwargs)
+
+    def step(self, message: StepMessage, finish: Callable[[list], Any]) -> Step:
+        """Send one step; ``finish`` turns the ranks' results into the step's (on completion)."""
+        self.group.check_alive()
+        transport = self._open()
+        return self.window.submit(lambda: transport.send(message),
+                                  lambda ticket, during: finish(transport.receive(ticket, during)))  # fmt: skip
+
+    def drain(self) -> None:
+        """Complete every step in flight; raises the first failure."""
+        self.window.drain()
+
+    def close(self, drain: bool = False) -> None:
+        """Stop the ranks (after the steps in flight, if ``drain``). Idempotent."""
+        try:
+            if drain and self.group.alive:
+                self.window.drain()
+        finally:
+            transport, self._transport = self._transport, None
+            if transport is not None and self.group.alive:
+                transport.close()  # a graph stops before its actors do
+            self.group.shutdown()
+
+    def _open(self):
+        if self._transport is None:
+            with self._opening:
+                self.group.check_alive()
+                if self._transport is None:
+                    transport = open_transport(self.group, self.window.size, self._compiled, self._timeout)
+                    self.group.on_shutdown(transport.close)
+                    self._transport = transport
+        return self._transport

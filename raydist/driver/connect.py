@@ -1,0 +1,57 @@
+"""Connecting the driver to Ray: the cluster it was pointed at, or a fresh local one."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+
+import ray
+
+log = logging.getLogger("raydist")
+
+
+def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -> bool:
+    """Connect to Ray unless connected; returns whether this call did (so it may disconnect).
+
+    - ``RAY_ADDRESS`` set (as under ``ray job submit``): that cluster.
+    - Ray's address file names a live cluster (``ray start`` on this machine): that cluster,
+      as a plain ``ray.init()`` would.
+    - Otherwise a new local Ray with enough logical CPUs for the ranks. An address
+      file that names a cluster that is gone (stopped without ``ray stop``, killed)
+      is ignored, with a warning: Ray itself would fail with "When connecting to an
+      existing cluster, num_cpus and num_gpus must not be provided".
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return True
+    from ray._private.utils import read_ray_address
+
+    recorded = read_ray_address()
+    if recorded is not None:
+        if _reachable(recorded):
+            log.info("raydist: connecting to the Ray cluster at %s (Ray's address file)", recorded)
+            ray.init()
+            return True
+        log.warning(
+            "raydist: Ray's address file names the cluster %s, which does not answer (stopped without "
+            "`ray stop`, or killed); starting a new local Ray instead", recorded
+        )
+    cpus = (resources_per_rank or {}).get("CPU", 0 if use_gpu else 1)
+    num_cpus = max(os.cpu_count() or 1, int(math.ceil(num_workers * cpus)))
+    log.info("raydist: starting a local Ray instance with %d CPUs", num_cpus)
+    ray.init(address="local", num_cpus=num_cpus)
+    return True
+
+
+def _reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether the GCS at ``host:port`` accepts connections."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False

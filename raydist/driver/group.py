@@ -1,0 +1,318 @@
+"""The rank group: placement group, one actor per rank, rendezvous, failure, teardown.
+
+Ranks are ordered by node (the driver's node first), then by bundle. A rank
+that raises or dies ends the whole group: every actor is killed (peers
+blocked in a collective included) and the driver gets a `RankError` naming
+the rank. `RankGroup.gather` is the one place where what ranks return, or
+fail with, becomes a result or an error at the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..env import RankPlace, paddle_env
+from ..errors import GroupShutdownError, RankError, RankFailed, RankRefused, UsageError
+from ..protocol import Member, RankActor
+from .placement import wait_placed
+
+log = logging.getLogger("raydist")
+
+# How long a failure waits for Ray to report a rank's death, which may be its cause.
+DEATH_GRACE_S = 2.0
+# After one rank refuses a call (UsageError), how long the others have to refuse it too.
+REFUSAL_GRACE_S = 10.0
+
+
+@dataclasses.dataclass
+class GroupConfig:
+    """How to start the ranks.
+
+    Attributes:
+        num_workers: number of ranks, one Ray actor each.
+        use_gpu: one GPU per rank and NCCL; otherwise CPU and gloo.
+        resources_per_rank: Ray resources of one rank's bundle; default
+            ``{"CPU": 1}``, plus ``{"GPU": 1}`` with ``use_gpu``.
+        placement_strategy: of the placement group (PACK, SPREAD, STRICT_PACK...).
+        master_port: port of Paddle's TCP store on rank 0's node; a free one
+            if None, and another free one if this one is taken.
+        placement_timeout_s: how long to wait for the cluster to place the
+            ranks (autoscaling clusters grow meanwhile); None waits forever.
+        name: prefix of the actor names (``<name>-rank-<i>``).
+        paddle_logs: show Paddle's INFO logs from the ranks (quiet by default).
+        runtime_env: Ray runtime environment of the rank actors (env_vars,
+            pip, working_dir...).
+        step_timeout_s: how long a rank waits for its loader batch (None: no limit).
+        actor_class: the actors: `RankActor` (they join Paddle's process group),
+            or another `raydist.protocol.Member` that starts its own processes
+            from `RankGroup.envs` (`raydist launch`).
+    """
+
+    num_workers: int
+    use_gpu: bool = False
+    resources_per_rank: dict[str, float] | None = None
+    placement_strategy: str = "PACK"
+    master_port: int | None = None
+    placement_timeout_s: float | None = 300.0
+    name: str | None = None
+    paddle_logs: bool = False
+    runtime_env: dict | None = None
+    step_timeout_s: float | None = None
+    actor_class: type[Member] = RankActor
+
+    def bundle(self) -> dict[str, float]:
+        if self.resources_per_rank is not None:
+            return dict(self.resources_per_rank)
+        return {"CPU": 1.0, "GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+
+
+@functools.cache
+def _remote(actor_class: type[Member]):
+    return ray.remote(concurrency_groups=actor_class.concurrency_groups)(actor_class)
+
+
+class RankGroup:
+    """``num_workers`` actors that form one Paddle process group."""
+
+    def __init__(self, config: GroupConfig):
+        self.config = config
+        self.envs: list[dict[str, str]] = []  # each rank's Paddle environment
+        self.actors: list = []
+        self.places: list[RankPlace] = []
+        self.pids: list[int] = []
+        self.fixes: list[str] = []  # the Paddle fixes the ranks applied
+        self._pg = None
+        self._alive = False
+        self._on_shutdown: list = []
+        self._start()
+
+    # -- start -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        cfg = self.config
+        port = cfg.master_port
+        for attempt in range(3):
+            try:
+                self._pg = placement_group([cfg.bundle()] * cfg.num_workers, strategy=cfg.placement_strategy)
+                wait_placed(self._pg, cfg.bundle(), cfg.num_workers, cfg.placement_timeout_s)
+                self._spawn()
+                self._rendezvous(port)
+                return
+            except RankError as e:
+                # A master port taken between our check and Paddle's bind
+                # aborts rank 0 (a libuv assertion): start over on a new port.
+                if not (e.rank == 0 and e.died and e.during == "setup" and attempt < 2):
+                    raise
+                log.warning("rank 0 died while opening the master port; retrying on another port")
+                port = None
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def _spawn(self) -> None:
+        """Start one actor per rank, ranks ordered by node (the driver's first), then bundle."""
+        cfg = self.config
+        bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+        here = ray.get_runtime_context().get_node_id()
+        order = sorted(range(cfg.num_workers), key=lambda b: (bundle_nodes[b] != here, bundle_nodes[b], b))
+        prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
+        res = cfg.bundle()
+        self.actors = [
+            _remote(cfg.actor_class).options(
+                name=f"{prefix}-rank-{rank}",
+                num_cpus=res.get("CPU", 0),
+                num_gpus=res.get("GPU", 0),
+                resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=b),
+                runtime_env=cfg.runtime_env,
+            ).remote(rank, cfg.num_workers)
+            for rank, b in enumerate(order)
+        ]
+        self._alive = True
+        placed = self.gather([a.place.remote() for a in self.actors], "placement")
+        self.places = [p for p, _ in placed]
+        self.pids = [pid for _, pid in placed]
+
+    def _rendezvous(self, port: int | None) -> None:
+        rank0 = self.actors[0]
+        if port is not None and not self.gather([rank0.port_is_free.remote(port)], "rendezvous", ranks=[0])[0]:
+            log.warning("master port %s is taken on rank 0's node; using a free one", port)
+            port = None
+        if port is None:
+            port = self.gather([rank0.free_port.remote()], "rendezvous", ranks=[0])[0]
+        own_ports = self.gather([a.free_port.remote() for a in self.actors], "rendezvous")
+        endpoints = [f"{p.node_ip}:{q}" for p, q in zip(self.places, own_ports)]
+        master = f"{self.places[0].node_ip}:{port}"
+        cfg = self.config
+        self.envs = [paddle_env(r, self.places, endpoints, master, use_gpu=cfg.use_gpu, paddle_logs=cfg.paddle_logs)
+                     for r in range(len(self))]  # fmt: skip
+        if issubclass(cfg.actor_class, RankActor):
+            setups = [a.setup.remote(env, cfg.use_gpu, cfg.step_timeout_s) for a, env in zip(self.actors, self.envs)]
+            self.fixes = self.gather(setups, "setup")[0]
+
+    # -- results and failures ------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.config.num_workers
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def check_alive(self) -> None:
+        if not self._alive:
+            raise GroupShutdownError("the rank group is shut down (after shutdown() or a rank failure)")
+
+    def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
+               timeout: float | None = None) -> list:  # fmt: skip
+        """Results of ``refs`` (one per rank in ``ranks``, default all, in order).
+
+        - A call every rank refused (`UsageError`: the caller's mistake, nothing
+          changed on the ranks) raises that `UsageError`; the group stays.
+        - Any other failure, of any kind (a rank's exception, its death, a
+          lost object, Ray's own errors), tears the group down and raises
+          `RankError` naming the rank, the original error as its cause.
+          ``ray.get`` of several refs raises as soon as one failed, so this
+          never waits on a rank blocked because a peer failed.
+        - No result within ``timeout`` seconds (a collective that never
+          returns): `RankError` naming the ranks still busy; torn down.
+        """
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        try:
+            return ray.get(list(refs), timeout=timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            _, busy = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            stuck = [ranks[list(refs).index(r)] for r in busy]
+            raise self.timed_out(stuck, during, timeout) from e
+        except Exception as e:
+            if _refused(e):
+                refusal = self._refusal(refs)
+                if refusal is not None:
+                    raise refusal from None
+            raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1) from e
+
+    def _refusal(self, refs: Sequence) -> UsageError | None:
+        """The `UsageError` every rank refused a call with; None if some did not refuse in time."""
+        ready, busy = ray.wait(list(refs), num_returns=len(refs), timeout=REFUSAL_GRACE_S)
+        if busy:
+            return None
+        refusals = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - sorted just below
+                if _refused(e):
+                    refusals.append(e.cause)
+                    continue
+            return None  # this rank succeeded, or failed otherwise: the ranks disagree
+        return UsageError(refusals[0].message)
+
+    def timed_out(self, stuck: list[int], during: str, timeout: float | None) -> RankError:
+        """Tear the group down after ranks ``stuck`` gave no answer in time."""
+        self.shutdown()
+        return RankError(
+            stuck[0] if stuck else -1,
+            f"no result from ranks {stuck} within {timeout} s: a collective that never returns, or a peer "
+            "that vanished without Ray noticing (raise step_timeout_s for longer steps)",
+            during=during,
+        )
+
+    def fail(self, e: BaseException, during: str, rank: int = -1) -> RankError:
+        """Tear the group down after ``e``; the error to raise, naming the root cause.
+
+        A rank's death makes its peers' collectives fail too, sometimes before
+        Ray reports the death: a dead rank, if any, is the one to name.
+        """
+        dead = self._dead_rank() if self._alive else None
+        if dead is not None:
+            rank, e = dead
+        elif self.rank_of(e) >= 0:
+            rank = self.rank_of(e)
+        self.shutdown()
+        return _rank_error(e, rank, during)
+
+    def _dead_rank(self, timeout: float = DEATH_GRACE_S) -> tuple[int, Exception] | None:
+        pings = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return pings.index(ref), e
+        return None
+
+    def rank_of(self, e: BaseException) -> int:
+        """Which rank a failure came from: `RankFailed` says; a death names its actor."""
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, RankFailed):
+            return cause.rank
+        actor_id = getattr(e, "actor_id", None)
+        if actor_id is not None:
+            return next((r for r, a in enumerate(self.actors) if a._actor_id.hex() == actor_id), -1)
+        return -1
+
+    # -- teardown --------------------------------------------------------------
+
+    def on_shutdown(self, callback) -> None:
+        """Call ``callback()`` once the ranks are killed (e.g. to close a compiled graph)."""
+        self._on_shutdown.append(callback)
+
+    def shutdown(self) -> None:
+        """Kill every rank and free the placement group. Idempotent."""
+        self._alive = False
+        if not ray.is_initialized():
+            return
+        callbacks, self._on_shutdown = self._on_shutdown, []
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # already removed
+                pass
+            self._pg = None
+        for callback in callbacks:
+            callback()
+
+
+def _refused(e: BaseException) -> bool:
+    return isinstance(getattr(e, "cause", None), RankRefused)
+
+
+def _rank_error(e: BaseException, rank: int, during: str) -> RankError:
+    if isinstance(e, ray.exceptions.RayActorError):
+        return RankError(rank, str(e).strip() or type(e).__name__, died=True, during=during)
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, RankFailed):
+        return RankError(cause.rank, cause.traceback, during=during)
+    if isinstance(e, ray.exceptions.RayTaskError):
+        return RankError(rank, _task_traceback(e), during=during)
+    return RankError(rank, f"{type(e).__name__}: {e}", during=during)
+
+
+def _task_traceback(e: ray.exceptions.RayTaskError) -> str:
+    """The rank's traceback, as Python prints one (Ray's text, without colour codes)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", getattr(e, "traceback_str", None) or str(e)).strip()
+    header, _, frames = text.partition("\n")
+    if not header.startswith("ray::"):
+        return text
+    return f"{frames}" if frames.startswith("Traceback") else f"Traceback (most recent call last):\n{frames}"
+
+
+def call_on(actors: list, method, *args: Any) -> list:
+    """``method`` (an actor class's function, e.g. ``RankActor.state_meta``) called on every actor: refs."""
+    name = method.__name__
+    return [getattr(a, name).remote(*args) for a in actors]

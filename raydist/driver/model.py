@@ -1,0 +1,461 @@
+"""The driver-side ``DistModel``: Paddle's DistModel API, run by a group of Ray ranks.
+
+A thin facade: the inputs' specs live in `raydist.driver.inputs`, the state and
+checkpoints in `raydist.driver.state`, and every exchange with the ranks goes
+through one `raydist.driver.client.RankClient`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from .. import pickling
+from ..data.loader import Handle, ShardDataloader
+from ..messages import ArraysStep, LoaderStep, StepMessage
+from ..protocol import RankActor
+from ..specs import from_input_spec
+from ..strategy import check as check_strategy
+from ..strategy import check_meshes, micro_batches
+from ..topology import Mesh, ModePlan, stages
+from .client import RankClient
+from .connect import init_ray
+from .group import GroupConfig, RankGroup
+from .inputs import InputSpecs, Specs, array_specs, leaves, to_array
+from .state import ModelState
+from .steps import Loss
+
+log = logging.getLogger("raydist")
+
+MODES = ("train", "eval", "predict")
+DISPATCH = ("auto", "compiled", "calls")
+
+
+class DistModel:
+    """Paddle's static auto-parallel ``DistModel``, one Ray actor per rank.
+
+    Takes Paddle's arguments in Paddle's order, except that what would live on
+    the ranks is given as something that makes it there:
+
+    Args:
+        layer: a picklable callable returning the ``paddle.nn.Layer``; it runs
+            on every rank after the process group exists, so it can use
+            ``dist.ProcessMesh`` and ``dist.shard_tensor``.
+        loader: a `raydist.ShardDataloader`, or None (batches come from the driver).
+        loss: a ``paddle.nn.Layer`` or callable ``(outputs..., labels...) -> loss``.
+        optimizer: a callable ``parameters -> paddle.optimizer.Optimizer``
+            (e.g. ``lambda p: paddle.optimizer.AdamW(1e-3, parameters=p)``).
+        strategy: a ``paddle.distributed.Strategy``, passed to every rank.
+        metrics: as in Paddle (Paddle 3.3.1's static engine ignores them).
+        input_spec: as in Paddle, ``[[inputs...], [labels...]]`` of ``InputSpec``
+            or ``DistributedInputSpec`` with GLOBAL shapes; None infers them from
+            the first batch.
+        num_workers: number of ranks; default: the processes of ``input_spec``'s mesh.
+        use_gpu: one GPU per rank and NCCL (otherwise CPU and gloo).
+        shard_dims: the mesh dim along which batches are split across ranks
+            (data parallel). The default "dp" splits along the mesh dim named
+            "dp" if the model's mesh has one, else every rank gets the whole batch.
+        resources_per_rank, placement_strategy, master_port, placement_timeout_s,
+        name, paddle_logs, runtime_env: see `raydist.driver.group.GroupConfig`.
+        max_in_flight: how many steps may run before the driver waits for the
+            oldest (see `raydist.driver.steps`); 1 makes every call wait for its step.
+        dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
+            Graph: the least driver work per step, but its channels busy-wait,
+            a core per waiting process), "calls" (one actor call per rank),
+            or "auto": compiled with GPUs, calls on CPUs, where ranks need
+            every core (see `raydist.driver.transport` and BENCHMARKS.md).
+        step_timeout_s: how long a step may take (and a rank may wait for its
+            loader batch) before its ranks count as stuck: then `RankError`, and
+            the ranks are torn down. None: no limit. A dead rank is reported at
+            once, whatever this is.
+
+    Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
+    "eval"; neither -> "predict".
+    """
+
+    def __init__(
+        self,
+        layer: Callable[[], Any],
+        loader: Any = None,
+        loss: Any = None,
+        optimizer: Callable[[Sequence[Any]], Any] | None = None,
+        strategy: Any = None,
+        metrics: Sequence[Any] | None = None,
+        input_spec: Sequence[Sequence[Any]] | None = None,
+        *,
+        num_workers: int | None = None,
+        use_gpu: bool = False,
+        shard_dims: str | None = "dp",
+        resources_per_rank: dict[str, float] | None = None,
+        placement_strategy: str = "PACK",
+        master_port: int | None = None,
+        placement_timeout_s: float | None = 300.0,
+        name: str | None = None,
+        paddle_logs: bool = False,
+        runtime_env: dict | None = None,
+        max_in_flight: int = 2,
+        dispatch: str = "auto",
+        step_timeout_s: float | None = 900.0,
+    ) -> None:
+        _check_arguments(layer, loader, loss, optimizer, strategy, metrics, max_in_flight, dispatch)
+        check_strategy(strategy, use_gpu)
+        inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
+        if inputs is None and loader is not None:  # as Paddle: the last column is the label
+            specs = loader.specs()
+            inputs, labels = (specs[:-1], specs[-1:]) if len(specs) > 1 else (specs, None)
+        num_workers = _num_workers(num_workers, (inputs or []) + (labels or []))
+        self._payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
+                                       "the layer builder, loss, optimizer or strategy")  # fmt: skip
+        self._specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES})
+        self._has_loss, self._has_optimizer = loss is not None, optimizer is not None
+        self._mode = "train" if (self._has_loss and self._has_optimizer) else ("eval" if self._has_loss else "predict")
+        self._max_in_flight = max_in_flight
+        self._compiled = dispatch == "compiled" or (dispatch == "auto" and use_gpu)
+        self._config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
+                                   placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s)  # fmt: skip
+        init_ray(num_workers, resources_per_rank, use_gpu)
+        self._state: ModelState | None = None
+        self._start(first_step=0)
+        if loader is not None:
+            loader.bind(self._client)
+        if self._specs.known(self._mode):
+            self._enter(self._mode, self._specs.current())
+
+    def _start(self, first_step: int) -> None:
+        """A new group of ranks with the model built on it."""
+        group = RankGroup(self._config)
+        self._client = RankClient(group, max_in_flight=self._max_in_flight, compiled=self._compiled,
+                                  step_timeout=self._config.step_timeout_s, first_step=first_step)  # fmt: skip
+        self._finalizer = weakref.finalize(self, self._client.close)
+        try:
+            meshes = self._client.call(RankActor.build, ray.put(self._payload))[0]
+            check_meshes(meshes, self._config.use_gpu)
+        except BaseException:
+            self._client.close()
+            raise
+        self._specs.place(*_data_meshes(meshes, self._config.num_workers))
+        self._rank_mode: str | None = None  # the mode the ranks are in
+        self._rank_specs: Specs | None = None  # the specs the ranks have
+        self._plans: dict[str, ModePlan] = {}  # mode -> what its steps fetch (rank 0's)
+        if self._state is None:
+            self._state = ModelState(self._client, self._has_optimizer)
+        else:
+            self._state.client = self._client
+
+    def restart(self) -> None:
+        """Start a fresh group of ranks (after a failure) and restore the last checkpoint.
+
+        The last checkpoint is the one this model saved or loaded last; with
+        none, the model starts from its initial parameters again. Steps in
+        flight are dropped; step numbers go on from where they were.
+        """
+        first_step = self._client.window.submitted
+        self._finalizer()
+        self._start(first_step)
+        if self._specs.known(self._mode):
+            self._enter(self._mode, self._specs.current())
+        if self._state.last_checkpoint is not None:
+            self.load(self._state.last_checkpoint)
+
+    # -- modes -----------------------------------------------------------------
+
+    def train(self) -> None:
+        """Switch every rank to "train": calls update the parameters and return the loss."""
+        if not (self._has_loss and self._has_optimizer):
+            raise ValueError("train mode needs both a loss and an optimizer")
+        self._switch("train")
+
+    def eval(self) -> None:
+        """Switch every rank to "eval": calls return the loss, nothing is updated."""
+        if not self._has_loss:
+            raise ValueError("eval mode needs a loss")
+        self._switch("eval")
+
+    def predict(self) -> None:
+        """Switch every rank to "predict": calls return the model's outputs."""
+        self._switch("predict")
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def _switch(self, mode: str) -> None:
+        self._client.drain()
+        self._mode = mode
+        if self._specs.known(mode):
+            self._enter(mode, self._specs.current())
+
+    def _enter(self, mode: str, specs: Specs) -> None:
+        """Put the ranks in ``mode`` with ``specs`` (building its program the first time); waits.
+
+        A program the ranks cannot build (e.g. a batch of the wrong dtype for
+        the layer) is refused on every rank: `UsageError` with Paddle's
+        message; the ranks stay, and ``specs`` are not remembered.
+        """
+        if not _same(specs, self._rank_specs):
+            self._client.call(RankActor.set_specs, specs[0] or [], specs[1] or [])
+            self._rank_specs, self._rank_mode = specs, None
+        if self._rank_mode != mode:
+            self._plans[mode] = self._client.call(RankActor.set_mode, mode)[0]
+            self._rank_mode = mode
+            self._specs.accept(specs, mode)
+            self._state.restore_built("train" in self._plans)  # a checkpoint's tensors this program brought
+
+    # -- steps -----------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        """One step on a GLOBAL batch: the loss (train, eval) or the outputs (predict).
+
+        Arguments are numpy arrays or paddle Tensors (or lists of them), inputs
+        then labels, as for Paddle's DistModel; or the handles a
+        `raydist.shard_dataloader` yields, which the ranks read themselves.
+        Predict takes inputs only and returns the outputs as numpy. Train and
+        eval return a `raydist.Loss` at once, while the step runs: it acts as
+        the float loss of the batch, waiting for it when read.
+        """
+        mode = self._mode
+        message = self._message(list(leaves(args)), mode)
+        plan = self._plans[mode]
+        step = self._client.step(message, lambda results: _combine(plan, mode, results))
+        return step.result() if mode == "predict" else Loss(step)
+
+    def _message(self, values: list, mode: str) -> StepMessage:
+        """The step message for a call's arguments, once they are checked and the ranks are in ``mode``."""
+        handles = [v for v in values if isinstance(v, Handle)]
+        if not handles:
+            arrays = [to_array(v) for v in values]
+            self._enter(mode, self._specs.for_call(array_specs(arrays), mode))
+            return ArraysStep(arrays)  # every rank takes its own shard (a view)
+        first = handles[0]
+        if len(handles) != len(values):
+            raise TypeError("pass either loader handles or arrays to a DistModel call, not both")
+        if any((h.loader, h.epoch, h.step) != (first.loader, first.epoch, first.step) for h in handles):
+            raise ValueError("the handles of one call must come from the same batch of one loader")
+        loader = first.loader
+        by_key = loader.specs_by_key()
+        specs = self._specs.for_call([by_key[h.key] for h in handles], mode)
+        loader.bind(self._client)
+        self._enter(mode, specs)
+        loader.take(first)
+        return LoaderStep(loader._id, first.epoch, first.step, tuple(h.key for h in handles))
+
+    def wait(self) -> None:
+        """Complete every step in flight; raises the first failure."""
+        self._client.drain()
+
+    # -- programs and state ----------------------------------------------------
+
+    def dist_main_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s distributed main program of ``mode`` (default: current)."""
+        return self._program("dist_main", mode, rank)
+
+    def dist_startup_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s distributed startup program of ``mode``."""
+        return self._program("dist_startup", mode, rank)
+
+    def serial_main_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s serial (undistributed) main program of ``mode``."""
+        return self._program("serial_main", mode, rank)
+
+    def serial_startup_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s serial startup program of ``mode``."""
+        return self._program("serial_startup", mode, rank)
+
+    def _program(self, kind: str, mode: str | None, rank: int) -> str:
+        mode = mode or self._mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= rank < self._client.size:
+            raise ValueError(f"rank must be in [0, {self._client.size}), got {rank}")
+        if mode not in self._plans:
+            if not self._specs.known(mode):
+                raise ValueError(f"the {mode} program is built at the first {mode} step (or pass input_spec)")
+            current = self._mode
+            self._switch(mode)
+            self._switch(current)
+        return self._client.call(RankActor.program, kind, mode, ranks=[rank])[0]
+
+    def state_dict(self, mode: str = "all") -> dict[str, np.ndarray]:
+        """The FULL (unsharded) state as numpy arrays, keyed like Paddle's ``DistModel.state_dict``.
+
+        ``mode``: "param" (the model's parameters), "opt" (the optimizer's
+        state) or "all".
+        """
+        if mode not in ("all", "opt", "param"):
+            raise ValueError(f"mode must be 'all', 'opt' or 'param', got {mode!r}")
+        return self._state.state_dict(mode)
+
+    def set_state_dict(self, state: dict[str, Any]) -> None:
+        """Set parameters (and optimizer state) from FULL values; every rank keeps its own shard.
+
+        ``state`` maps names as `state_dict` gives them to numpy arrays or
+        paddle Tensors; a subset is fine, e.g. a plain single-process
+        ``paddle.nn.Layer.state_dict()`` to start from pretrained weights.
+        Unknown names and wrong shapes are errors, before anything is sent.
+        """
+        self._state.set_state_dict(state)
+
+    def save(self, path: str) -> None:
+        """Write a distributed checkpoint to ``path`` (a new local directory or a pyarrow.fs URI).
+
+        Every rank writes its own shards, in parallel; see `raydist.checkpoint`.
+        """
+        import paddle
+
+        from .. import __version__
+
+        self._state.save(path, step=self._client.window.submitted, mode=self._mode, raydist=__version__,
+                         paddle=paddle.__version__)  # fmt: skip
+
+    def load(self, path: str) -> None:
+        """Restore parameters and optimizer state from a checkpoint `save` wrote, on any mesh.
+
+        What the model does not have yet (the optimizer's state before the
+        train program is built) is restored when it is built.
+        """
+        self._state.load(path, "train" in self._plans)
+
+    def fit(
+        self,
+        loader: ShardDataloader,
+        epochs: int = 1,
+        steps: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | None = None,
+        max_failures: int = 0,
+        progress: bool = True,
+    ) -> list[float]:
+        """Train on ``loader`` for ``epochs`` (or ``steps``), surviving up to ``max_failures`` rank failures.
+
+        Shows a progress bar (loss, steps/s); saves a checkpoint to
+        ``checkpoint_dir/step-NNNNNNNN`` every ``checkpoint_every`` steps; on a
+        `RankError` restarts the ranks, restores the latest checkpoint and
+        resumes the data where it stood. Returns the loss of every step.
+        See `raydist.driver.fit`.
+        """
+        from .fit import fit
+
+        return fit(self, loader, epochs, steps, checkpoint_every, checkpoint_dir, max_failures, progress)
+
+    # -- lifetime --------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return self._client.size
+
+    def shutdown(self) -> None:
+        """Complete the steps in flight, then stop every rank and free their resources. Idempotent."""
+        self._finalizer.detach()
+        self._client.close(drain=True)
+
+    def __enter__(self) -> "DistModel":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.shutdown()  # raises a failure of the last steps
+        else:
+            self._finalizer()  # the exception on its way out says what went wrong
+
+
+def to_static(
+    layer: Callable[[], Any],
+    loader: Any = None,
+    loss: Any = None,
+    optimizer: Callable[[Sequence[Any]], Any] | None = None,
+    strategy: Any = None,
+    input_spec: Sequence[Sequence[Any]] | None = None,
+    **kwargs: Any,
+) -> DistModel:
+    """Build a `DistModel` on a group of Ray ranks, as ``paddle.distributed.to_static`` would.
+
+    See `DistModel` for the arguments; keyword arguments (``num_workers``,
+    ``use_gpu``, ...) go to it.
+    """
+    return DistModel(layer, loader, loss, optimizer, strategy, None, input_spec, **kwargs)
+
+
+# -- argument checks (all before any actor starts) ---------------------------------
+
+
+def _check_arguments(layer, loader, loss, optimizer, strategy, metrics, max_in_flight, dispatch) -> None:
+    import paddle
+
+    if isinstance(layer, paddle.nn.Layer):
+        raise TypeError(
+            "raydist builds the layer on every rank: pass a function that returns it "
+            "(e.g. `lambda: MyNet(mesh)`), not a Layer built on the driver"
+        )
+    if not callable(layer):
+        raise TypeError(f"layer must be a callable that returns a paddle.nn.Layer, got {type(layer).__name__}")
+    if loader is not None and not isinstance(loader, ShardDataloader):
+        raise TypeError(f"loader must be a raydist.shard_dataloader(...) or None, got {type(loader).__name__}")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"loss must be a paddle.nn.Layer or a callable, got {type(loss).__name__}")
+    if isinstance(optimizer, paddle.optimizer.Optimizer) or (optimizer is not None and not callable(optimizer)):
+        raise TypeError(
+            "optimizer must be a callable that makes the optimizer on each rank from the rank's "
+            "parameters, e.g. `lambda params: paddle.optimizer.AdamW(1e-3, parameters=params)`; "
+            f"got {type(optimizer).__name__}"
+        )
+    if strategy is not None:
+        if not isinstance(strategy, paddle.distributed.Strategy):
+            raise TypeError(f"strategy must be a paddle.distributed.Strategy, got {type(strategy).__name__}")
+        if not strategy.full_graph:
+            raise ValueError("strategy.full_graph=False asks Paddle for a dygraph model; raydist runs the static DistModel")
+    if metrics is not None and not isinstance(metrics, (list, tuple)):
+        raise TypeError(f"metrics must be a list, got {type(metrics).__name__}")
+    if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+
+
+def _num_workers(num_workers: int | None, specs: list) -> int:
+    spec_ranks = {i for s in specs if s.layout is not None for i in s.layout.mesh.process_ids}
+    if num_workers is None:
+        if not spec_ranks:
+            raise ValueError("num_workers is required unless input_spec gives the mesh")
+        return max(spec_ranks) + 1
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    if spec_ranks and max(spec_ranks) >= num_workers:
+        raise ValueError(
+            f"input_spec's mesh uses processes up to {max(spec_ranks)}, but num_workers={num_workers}"
+        )
+    return num_workers
+
+
+def _data_meshes(meshes: list[Mesh], num_workers: int) -> tuple[Mesh, Mesh]:
+    """The meshes inputs and labels are laid on by default.
+
+    Pipeline stages (disjoint meshes, in the order of the layer's
+    parameters): inputs on the first, labels on the last, as Paddle's
+    ``shard_dataloader`` lays them. Otherwise both on the layer's largest
+    mesh, or on all ranks as "dp" if the layer has no dist parameters.
+    """
+    if not meshes:
+        mesh = Mesh.of(list(range(num_workers)), ["dp"])
+        return mesh, mesh
+    if stages(meshes):
+        return meshes[0], meshes[-1]
+    mesh = max(meshes, key=lambda m: len(m.process_ids))
+    return mesh, mesh
+
+
+def _same(a: Specs | None, b: Specs | None) -> bool:
+    """Whether two (inputs, labels) hold the very same spec lists (cheaper than comparing them)."""
+    return a is not None and b is not None and a[0] is b[0] and a[1] is b[1]
+
+
+def _combine(plan: ModePlan, mode: str, results: list) -> Any:
+    """A step's result from the ranks': the loss, or the outputs (predict)."""
+    values = [layout.assemble({r: results[r][i] for r in layout.readers()}) for i, layout in enumerate(plan.layouts)]
+    if mode == "predict":
+        return values[0] if len(values) == 1 else values
+    return float(np.mean(values[0]))

@@ -1,0 +1,112 @@
+"""A model's state at the driver: full tensors from the ranks' shards, and distributed checkpoints.
+
+The ranks hold shards; the driver assembles full values (`ModelState.state_dict`),
+hands full values back for every rank to keep its shard (`set_state_dict`),
+and orchestrates checkpoints: every rank writes its own shards, the driver
+writes the manifest and commits (`raydist.checkpoint`). A checkpoint's
+optimizer state that the model does not have yet (before its train program
+is built) is restored when it is built (`ModelState.restore_built`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import ray
+
+from .. import checkpoint
+from ..protocol import RankActor
+from .client import RankClient
+
+
+class ModelState:
+    """State and checkpoints of the model behind ``client`` (replaced on restart)."""
+
+    def __init__(self, client: RankClient, has_optimizer: bool):
+        self.client = client
+        self.has_optimizer = has_optimizer
+        self.last_checkpoint: str | None = None  # the latest saved or loaded, for restart()
+        self._pending: tuple[str, dict] | None = None  # (path, {name: manifest entry}) still to restore
+
+    def meta(self, mode: str = "all") -> dict[str, tuple]:
+        """{name: (global shape, dtype, layout)} of the state, from rank 0."""
+        return self.client.call(RankActor.state_meta, mode, ranks=[0])[0]
+
+    def state_dict(self, mode: str) -> dict[str, np.ndarray]:
+        pieces = self.client.call(RankActor.state_dict, mode)
+        state = {}
+        for name, (array, layout) in pieces[0].items():
+            if layout is None:
+                state[name] = array
+            else:
+                state[name] = layout.assemble({r: pieces[r][name][0] for r in layout.readers()})
+        return state
+
+    def set_state_dict(self, state: dict[str, Any]) -> None:
+        meta = self.meta()
+        unknown = sorted(set(state) - set(meta))
+        if unknown:
+            raise ValueError(f"set_state_dict: the model has no {unknown} (it has {sorted(meta)})")
+        full = {}
+        for name, value in state.items():
+            array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            shape, dtype, _ = meta[name]
+            if tuple(array.shape) != tuple(shape):
+                raise ValueError(f"set_state_dict: {name!r} has shape {array.shape}, the model's is {tuple(shape)}")
+            if array.dtype != np.dtype(dtype):
+                if array.dtype.kind != np.dtype(dtype).kind:
+                    raise TypeError(f"set_state_dict: {name!r} has dtype {array.dtype}, the model's is {dtype}")
+                array = array.astype(dtype)
+            full[name] = array
+        self.client.call(RankActor.set_state, ray.put(full))
+
+    def save(self, path: str, **info: Any) -> None:
+        """Every rank writes its shards to a staging directory; then the manifest, and the commit.
+
+        ``info``: what the manifest records besides the tensors (step, mode...).
+        """
+        if checkpoint.exists(path):
+            raise ValueError(f"{path} exists: raydist never overwrites a checkpoint; save to a new directory")
+        meta = self.meta()
+        plan = checkpoint.writers(meta)
+        staged = checkpoint.staging_dir(path)
+        ranks = sorted(plan)
+        try:
+            written = self.client.call_each(RankActor.save_pieces, {r: (staged, plan[r]) for r in ranks})
+        except BaseException:
+            checkpoint.remove(staged)  # an incomplete save leaves nothing behind
+            raise
+        files: dict[str, dict[int, str]] = {name: {} for name in meta}
+        for rank, file in zip(ranks, written):
+            for name in plan[rank]:
+                files[name][rank] = file
+        checkpoint.commit(staged, path, checkpoint.manifest(meta, files, num_workers=self.client.size, **info))
+        self.last_checkpoint = path
+
+    def load(self, path: str, train_built: bool) -> None:
+        tensors = dict(checkpoint.read_manifest(path)["tensors"])
+        meta = self.meta()
+        params = self.meta("param")
+        missing = sorted(set(params) - set(tensors))
+        wrong = sorted(n for n in set(meta) & set(tensors) if tuple(tensors[n]["shape"]) != tuple(meta[n][0]))
+        if missing or wrong:
+            raise ValueError(
+                f"{path} is a checkpoint of another model: it lacks {missing} and has other shapes for {wrong}"
+            )
+        self._pending = (path, tensors)
+        self._restore(meta, train_built)
+        self.last_checkpoint = path
+
+    def restore_built(self, train_built: bool) -> None:
+        """A mode was just built: restore what it brought of a checkpoint being loaded."""
+        if self._pending is not None:
+            self._restore(self.meta(), train_built)
+
+    def _restore(self, meta: dict, train_built: bool) -> None:
+        path, tensors = self._pending
+        now = {n: tensors.pop(n) for n in list(tensors) if n in meta}
+        if now:
+            self.client.call(RankActor.load_state, path, now)
+        if not tensors or not self.has_optimizer or train_built:
+            self._pending = None  # what is left, this model will never have

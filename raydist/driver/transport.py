@@ -1,0 +1,142 @@
+"""How a step reaches the ranks: one message, the same for every rank.
+
+A step message is small and identical for all ranks (each rank works out its
+own shard, and whether its result is read, from what it was told at the mode
+switch), so it is serialized once:
+
+- `CallTransport`: one actor call per rank; the message is ``ray.put`` once
+  when it is not small. The default on CPUs, and the fallback when a graph
+  cannot be compiled.
+- `CompiledTransport`: a Ray Compiled Graph, ``RankActor.run`` on every rank
+  fed from one input channel: about a quarter of the driver's CPU per step of
+  actor calls (BENCHMARKS.md). Its channels busy-wait: the driver waiting for
+  a step and every rank waiting for its next one each keep a core at 100 %,
+  which on CPU ranks that need every core slows compute-bound steps. The
+  default with GPUs. Ray documents the graph as not thread-safe, and a read
+  cut short (Ctrl-C, a timeout) loses the channels' alignment, so every use
+  of the graph runs on one thread of its own: callers wait for its results,
+  and a wait can be interrupted and resumed.
+
+Both hand every failure to `RankGroup.gather`'s error path (`RankGroup.fail`):
+the caller sees `RankError` naming the rank, and the group is torn down.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ..messages import StepMessage
+
+if TYPE_CHECKING:
+    from .group import RankGroup
+
+log = logging.getLogger("raydist")
+
+# Messages up to this size travel inside each step call instead of through the
+# object store: a put costs more than pickling a few KiB per rank.
+INLINE_BYTES = 64 * 1024
+
+
+class CallTransport:
+    """One ``run`` call per rank and step; a ticket is the calls' refs."""
+
+    name = "calls"
+
+    def __init__(self, group: "RankGroup", timeout: float | None):
+        self.group = group
+        self.timeout = timeout
+
+    def send(self, message: StepMessage) -> list[ray.ObjectRef]:
+        payload = message if message.nbytes <= INLINE_BYTES else ray.put(message)
+        return [actor.run.remote(payload) for actor in self.group.actors]
+
+    def receive(self, refs: list[ray.ObjectRef], during: str) -> list:
+        return self.group.gather(refs, during, timeout=self.timeout)
+
+    def close(self) -> None:
+        pass
+
+
+class _Stuck(Exception):
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+
+
+@dataclasses.dataclass
+class _Ticket:
+    sent: concurrent.futures.Future  # the graph's refs for the step
+    read: concurrent.futures.Future | None = None  # the ranks' results, once asked for
+
+
+class CompiledTransport:
+    """A compiled graph: ``run`` on every rank, one input channel, one output per rank."""
+
+    name = "compiled"
+
+    def __init__(self, group: "RankGroup", max_in_flight: int, timeout: float | None):
+        from ray.dag import InputNode, MultiOutputNode
+
+        self.group = group
+        self.timeout = timeout
+        with InputNode() as message:
+            dag = MultiOutputNode([actor.run.bind(message) for actor in group.actors])
+        self._graph = dag.experimental_compile(_max_inflight_executions=max_in_flight)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydist-graph")
+
+    def send(self, message: StepMessage) -> _Ticket:
+        return _Ticket(self._thread.submit(self._graph.execute, message))
+
+    def receive(self, ticket: _Ticket, during: str) -> list:
+        if ticket.read is None:
+            ticket.read = self._thread.submit(self._read, ticket.sent)
+        try:
+            return ticket.read.result()  # Ctrl-C interrupts this wait, not the read
+        except _Stuck as e:
+            raise self.group.timed_out(e.ranks, during, self.timeout) from e.__cause__
+        except Exception as e:
+            raise self.group.fail(e, during) from e
+
+    def _read(self, sent: concurrent.futures.Future) -> list:
+        results = []
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        refs = sent.result()
+        try:
+            for ref in refs:
+                left = -1 if deadline is None else max(0.0, deadline - time.monotonic())  # -1: no limit
+                results.append(ray.get(ref, timeout=left))
+        except ray.exceptions.RayChannelTimeoutError as e:
+            raise _Stuck(list(range(len(results), len(refs)))) from e
+        return results
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        quiet = logging.getLogger("ray.dag.compiled_dag_node")
+        level, quiet.level = quiet.level, logging.CRITICAL  # it logs every killed rank as an error
+        try:
+            self._graph.teardown()
+        except Exception:  # the actors are gone already
+            pass
+        finally:
+            quiet.setLevel(level)
+            thread, self._thread = self._thread, None
+            thread.shutdown(wait=False, cancel_futures=True)
+
+
+def open_transport(group: "RankGroup", max_in_flight: int, compiled: bool, timeout: float | None):
+    """The step transport for ``group``: compiled if asked and possible, else calls.
+
+    ``timeout``: seconds a step may take before its ranks count as stuck.
+    """
+    if compiled:
+        try:
+            return CompiledTransport(group, max_in_flight, timeout)
+        except Exception as e:  # noqa: BLE001 - any failure to compile leaves the plain path
+            log.warning("raydist: cannot compile the step graph (%s); using one actor call per rank", e)
+    return CallTransport(group, timeout)

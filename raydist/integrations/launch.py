@@ -1,0 +1,210 @@
+"""``raydist launch``: run an unmodified SPMD Paddle script with one rank per Ray actor.
+
+    raydist launch -n 4 [--gpus] [--address ADDR] script.py [args...]
+    python -m raydist launch -n 4 script.py [args...]
+
+What ``python -m paddle.distributed.launch`` does on one machine, on a Ray
+cluster: each rank runs the script in a process of its own with the
+environment Paddle's launcher sets (`raydist.env`), its output streamed here
+with a ``[rank i]`` prefix, and the exit status is the script's: non-zero as
+soon as any rank fails (its traceback is on stderr), and then the other ranks
+are stopped. On CPU the ranks run with raydist's Paddle fixes
+(`raydist.compat`), so scripts that use ``dist.to_static`` work on gloo too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+
+import ray
+
+from ..driver.connect import init_ray
+from ..driver.group import GroupConfig, RankGroup
+from ..env import QUIET_GLOG_LEVEL
+from ..protocol import Member
+
+log = logging.getLogger("raydist")
+
+
+class ScriptActor(Member):
+    """One rank of a launched script: it runs the script in a child process of its own."""
+
+    @ray.method(num_returns="streaming")
+    def run_script(self, env: dict[str, str], path: str, source: str, args: list[str],
+                   cwd: str) -> Iterator[tuple[str, object]]:  # fmt: skip
+        """Run an SPMD script as this rank, in a child process that dies with this actor.
+        Yields ("out" | "err", line) as the script prints, then ("exit", status)."""
+        if not (os.path.isfile(path) and open(path, encoding="utf-8").read() == source):
+            path = os.path.join(tempfile.mkdtemp(prefix="raydist-launch-"), os.path.basename(path))
+            with open(path, "w", encoding="utf-8") as f:  # another node: the driver's copy
+                f.write(source)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "raydist.integrations.spmd", path, *args],
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, cwd=cwd if os.path.isdir(cwd) else os.path.dirname(path),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        lines: queue.Queue = queue.Queue()
+
+        def pump(stream, kind):
+            for line in stream:
+                lines.put((kind, line.rstrip("\n")))
+            lines.put(None)
+
+        for stream, kind in ((child.stdout, "out"), (child.stderr, "err")):
+            threading.Thread(target=pump, args=(stream, kind), daemon=True).start()
+        quiet = env.get("GLOG_minloglevel") == QUIET_GLOG_LEVEL
+        open_streams, in_flags_dump = 2, False
+        while open_streams:
+            item = lines.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if quiet and item[0] == "err":  # init_parallel_env lists every non-default FLAG
+                if "Modified FLAGS detected" in item[1]:
+                    in_flags_dump = True
+                    continue
+                if in_flags_dump:
+                    in_flags_dump = not item[1].startswith("=====")
+                    continue
+            yield item
+        yield ("exit", child.wait())
+
+
+def _die_with_parent() -> None:
+    """In a child process: be killed when the actor dies (Linux), so no script outlives its rank."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux
+        pass
+
+
+def launch(
+    script: str,
+    args: Sequence[str] = (),
+    num_workers: int = 2,
+    *,
+    use_gpu: bool = False,
+    paddle_logs: bool = False,
+    name: str | None = None,
+    stdout=None,
+    stderr=None,
+) -> int:
+    """Run ``script`` on ``num_workers`` ranks; returns its exit status (0 when every rank succeeded).
+
+    Connects to the Ray that is initialised, or starts a local one.
+    """
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    with open(script, encoding="utf-8") as f:
+        source = f.read()
+    started = init_ray(num_workers, None, use_gpu)
+    group = RankGroup(GroupConfig(num_workers, use_gpu, name=name or "raydist-launch", paddle_logs=paddle_logs,
+                                  actor_class=ScriptActor))  # fmt: skip
+    lock, codes, failed = threading.Lock(), [None] * num_workers, threading.Event()
+
+    def follow(rank: int, stream) -> None:
+        try:
+            for ref in stream:
+                kind, value = ray.get(ref)
+                if kind == "exit":
+                    codes[rank] = value
+                else:
+                    with lock:
+                        print(f"[rank {rank}] {value}", file=stdout if kind == "out" else stderr, flush=True)
+        except ray.exceptions.RayActorError as e:
+            if codes[rank] is None and not failed.is_set():
+                codes[rank] = f"process died: {str(e).strip().splitlines()[0] if str(e).strip() else 'killed'}"
+        except Exception as e:  # a bug of ours must not hang the launcher
+            codes[rank] = f"{type(e).__name__}: {e}"
+        if codes[rank] != 0:
+            failed.set()
+
+    cwd = os.getcwd()
+    # Paddle's launcher also names the pod; DistModel then joins the group via fleet.init
+    pod = {"POD_NAME": uuid.uuid4().hex[:6]}
+    streams = [a.run_script.remote({**env, **pod}, os.path.abspath(script), source, list(args), cwd)
+               for a, env in zip(group.actors, group.envs)]  # fmt: skip
+    threads = [threading.Thread(target=follow, args=(r, s), daemon=True) for r, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads) and not failed.is_set():
+            failed.wait(0.2)
+    except KeyboardInterrupt:
+        group.shutdown()
+        return 130
+    finally:
+        if failed.is_set():
+            group.shutdown()  # stops the other ranks, and their scripts with them
+        for t in threads:
+            t.join(timeout=30)
+        group.shutdown()
+        if started:
+            ray.shutdown()
+    return _status(codes, stderr)
+
+
+def _status(codes: list, stderr) -> int:
+    bad = [(r, c) for r, c in enumerate(codes) if c not in (0, None)]
+    if not bad:
+        return 0 if all(c == 0 for c in codes) else 1
+    rank, code = bad[0]
+    others = "; the other ranks were stopped" if len(codes) > 1 else ""
+    if isinstance(code, int):
+        print(f"raydist launch: rank {rank} exited with status {code}{others}", file=stderr)
+        return code if 0 < code < 256 else 1
+    print(f"raydist launch: rank {rank} failed ({code}){others}", file=stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="raydist launch",
+        description="Run an unmodified SPMD Paddle script (as for python -m paddle.distributed.launch) "
+        "with one rank per Ray actor.",
+    )
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument("--gpus", action="store_true", help="one GPU per rank, NCCL (default: CPU, gloo)")
+    parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("--paddle-logs", action="store_true", help="keep Paddle's INFO logs (glog) in the ranks")
+    parser.add_argument("--name", help="prefix of the rank actors' names (default raydist-launch)")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    opts = parser.parse_args(argv)
+    if opts.nproc < 1:
+        parser.error("-n must be at least 1")
+    if not os.path.isfile(opts.script):
+        parser.error(f"no such script: {opts.script}")
+    logging.basicConfig(level=logging.WARNING, format="raydist: %(message)s")
+    if opts.address:
+        ray.init(address=opts.address)
+    try:
+        return launch(opts.script, opts.args, opts.nproc, use_gpu=opts.gpus, paddle_logs=opts.paddle_logs,
+                      name=opts.name)  # fmt: skip
+    finally:
+        if opts.address:
+            ray.shutdown()
+
+
+def cli() -> None:
+    """The ``raydist`` console script: ``raydist launch ...``."""
+    argv = sys.argv[1:]
+    if not argv or argv[0] != "launch":
+        print("usage: raydist launch -n N [--gpus] [--address ADDR] script.py [args...]", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(main(argv[1:]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""The rank actors' endpoints: what the driver may call on a rank, and nothing else.
+
+Both sides import this module: the driver to start the actors and to name
+their methods (``client.call(RankActor.state_meta, "param")``), the ranks to
+run them. The bodies are one line each and delegate to the rank's services
+in `raydist.worker`, which are imported inside the rank process only, when
+it joins the process group (Paddle reads its environment at import).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import socket
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from .env import RankPlace
+from .errors import RankFailed, RankRefused, UsageError
+from .messages import LoaderStep, ReadOrder, StepMessage
+from .topology import ModePlan
+
+if TYPE_CHECKING:
+    from .specs import TensorSpec
+
+
+def reports_rank(method):
+    """Raise a failure of ``method`` as `RankFailed` naming this rank; a refusal
+    (`UsageError`) as `RankRefused`."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except UsageError as e:
+            raise RankRefused(self.rank, traceback.format_exc(), str(e)) from None
+        except Exception:
+            raise RankFailed(self.rank, traceback.format_exc()) from None
+
+    return wrapper
+
+
+def here() -> RankPlace:
+    """Where this Ray worker runs: its node, IP, and the GPUs Ray gave it."""
+    ctx = ray.get_runtime_context()
+    return RankPlace(ctx.get_node_id(), ray.util.get_node_ip_address(), tuple(str(g) for g in ray.get_gpu_ids()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# Concurrency groups of the actors (besides Ray's default one, where the calls
+# of the driver run in order): "aside" answers liveness and status checks
+# while a step runs; "data" is a loader's hand-outs, beside the steps.
+ASIDE = "aside"
+DATA = "data"
+
+
+class Member:
+    """What every raydist actor answers: where it runs, ports for the rendezvous, liveness."""
+
+    concurrency_groups = {ASIDE: 1}
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    def place(self) -> tuple[RankPlace, int]:
+        return here(), os.getpid()
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def port_is_free(self, port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+        return True
+
+    @ray.method(concurrency_group=ASIDE)
+    def ping(self) -> int:
+        """Answers even while a step runs: tells the driver this rank is alive."""
+        return self.rank
+
+
+class RankActor(Member):
+    """One rank of a `raydist.DistModel`: its model service and its data service."""
+
+    concurrency_groups = {ASIDE: 1, DATA: 1}
+
+    def __init__(self, rank: int, world_size: int):
+        super().__init__(rank, world_size)
+        self.model = None  # raydist.worker.model.ModelService, once joined
+        self.data = None  # raydist.worker.data.DataService, once joined
+        self.device = "cpu"
+
+    @reports_rank
+    def setup(self, env: dict[str, str], use_gpu: bool, data_timeout: float | None = None) -> list[str]:
+        """Join the process group; returns the Paddle fixes applied.
+
+        ``data_timeout``: how long a step waits for its loader batch (None: no limit).
+        """
+        from .worker.data import DataService
+        from .worker.join import join
+        from .worker.model import ModelService
+
+        fixes, self.device = join(env, use_gpu)
+        self.data = DataService(self.device, data_timeout)
+        self.model = ModelService(self.rank, self.world_size, self.device)
+        return fixes
+
+    # -- the model ---------------------------------------------------------------
+
+    @reports_rank
+    def build(self, payload: bytes) -> list:
+        """Build the layer and the optimizer from the pickled builders; the meshes the layer uses."""
+        return self.model.build(payload)
+
+    @reports_rank
+    def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
+        self.model.set_specs(inputs, labels)
+
+    @reports_rank
+    def set_mode(self, mode: str) -> ModePlan:
+        """Enter ``mode``, building its program the first time; what a step fetches."""
+        return self.model.set_mode(mode)
+
+    @reports_rank
+    def run(self, message: StepMessage) -> list | None:
+        """One step; this rank's local results if the driver reads them, else None."""
+        batch = self.data.take(message) if isinstance(message, LoaderStep) else None
+        return self.model.step(message, batch)
+
+    @reports_rank
+    def program(self, kind: str, mode: str | None) -> str:
+        return self.model.program(kind, mode)
+
+    @reports_rank
+    def state_dict(self, mode: str) -> dict:
+        return self.model.state_dict(mode)
+
+    @reports_rank
+    def state_meta(self, mode: str = "all") -> dict:
+        return self.model.state_meta(mode)
+
+    @reports_rank
+    def set_state(self, full: dict) -> None:
+        self.model.set_state(full)
+
+    @reports_rank
+    def save_pieces(self, directory: str, names: list[str]) -> str:
+        """Write this rank's shards of ``names`` into a checkpoint directory; the file's name."""
+        return self.model.save_pieces(directory, names)
+
+    @reports_rank
+    def load_state(self, directory: str, tensors: dict) -> None:
+        """Set ``tensors`` (manifest entries) from a checkpoint; this rank keeps its own shards."""
+        self.model.load_state(directory, tensors)
+
+    # -- a loader's data: its own thread, beside the steps ---------------------------
+
+    @ray.method(concurrency_group=DATA)
+    def data_open(self, order: ReadOrder, members: list) -> None:
+        """Read an epoch for this rank's data-parallel group (``members``: its ranks, None for this one)."""
+        self.data.open(order, members)
+
+    @ray.method(concurrency_group=DATA)
+    def data_stage(self, loader: int, epoch: int, first_step: int, batches: list) -> None:
+        self.data.stage(loader, epoch, first_step, batches)
+
+    @ray.method(concurrency_group=DATA)
+    def data_fail(self, loader: int, epoch: int, error: str) -> None:
+        self.data.fail(loader, epoch, error)
+
+    # -- observing -------------------------------------------------------------------
+
+    @ray.method(concurrency_group=ASIDE)
+    def status(self) -> dict[str, Any]:
+        """Who and where this rank is, its mode and its peak resident memory (MiB)."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        mode = self.model.mode if self.model is not None else None
+        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "device": self.device, "mode": mode, "peak_rss_mib": peak}  # fmt: skip
+
+    @ray.method(concurrency_group=ASIDE)
+    def take_stats(self) -> dict[str, Any]:
+        """When this rank's steps started and how long they waited for data since the last call (for bench/)."""
+        return {"starts": self.model.take_starts(), "wait": self.data.take_wait()}

@@ -1,0 +1,59 @@
+"""Joining Paddle's process group from a Ray worker: rank actors, and Ray Train's workers.
+
+Paddle is imported here, not earlier: it reads ``CUDA_VISIBLE_DEVICES`` and
+its ``FLAGS_*`` at import, and a rank's environment is known only once every
+rank has been placed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+
+from ..env import QUIET_GLOG_LEVEL
+
+# Paddle warnings every rank repeats and no user can act on.
+NOISE = ("Tensor do not have 'place' interface",)
+NOISE_LOGS = ("is not built by `lazy init`",)
+
+
+def join(env: dict[str, str], use_gpu: bool) -> tuple[list[str], str]:
+    """Join Paddle's process group with ``env`` (`raydist.env.paddle_env`), raydist's Paddle
+    fixes applied; returns (the fixes, the device).
+
+    Quiet unless ``env`` asks for Paddle's logs (no ``GLOG_minloglevel``): then
+    Paddle's Python INFO logs, its import noise and ``init_parallel_env``'s
+    listing of every non-default FLAG are dropped too.
+    """
+    quiet = env.get("GLOG_minloglevel") == QUIET_GLOG_LEVEL
+    os.environ.update(env)
+    if quiet:
+        logging.disable(logging.INFO)
+        for text in NOISE:
+            warnings.filterwarnings("ignore", message=f".*{text}")
+    hush = _stderr_to_nowhere if quiet else contextlib.nullcontext
+    with hush(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
+        import paddle
+    import paddle.distributed as dist
+
+    from .. import compat
+
+    if quiet:
+        logging.getLogger("auto_parallel").addFilter(lambda r: not any(t in r.getMessage() for t in NOISE_LOGS))
+    fixes = compat.apply(use_gpu)
+    device = f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu"
+    paddle.set_device(device)
+    with hush():
+        dist.init_parallel_env()
+    # Paddle's handler prints a C++ "FatalError" dump when a rank is killed on
+    # shutdown or after a peer's failure; that death is expected.
+    paddle.base.core.disable_signal_handler()
+    return fixes, device
+
+
+def _stderr_to_nowhere():
+    return contextlib.redirect_stderr(io.StringIO())

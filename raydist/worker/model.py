@@ -1,0 +1,124 @@
+"""A rank's model service: the layer, its static DistModel, its steps and its state."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+import paddle
+
+from .. import pickling
+from ..errors import UsageError
+from ..messages import ArraysStep, StepMessage
+from ..specs import TensorSpec
+from ..topology import Mesh, ModePlan
+from .runner import StaticRunner
+
+
+class ModelService:
+    """The model of one rank: built from the driver's pickled builders, then driven step by step."""
+
+    def __init__(self, rank: int, world_size: int, device: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.runner: StaticRunner | None = None
+        self.collect = False  # whether the driver reads this rank's step results (set per mode)
+        self._thread_device = None
+        self._starts: collections.deque = collections.deque(maxlen=100_000)
+
+    @property
+    def mode(self) -> str | None:
+        return self.runner.mode if self.runner is not None else None
+
+    def build(self, payload: bytes) -> list[Mesh]:
+        """Build the layer and the optimizer; the meshes of the layer's parameters, in order."""
+        build_layer, loss, optimizer_factory, strategy, metrics = pickling.loads(payload)
+        layer = build_layer()
+        if not isinstance(layer, paddle.nn.Layer):
+            raise UsageError(f"build_layer must return a paddle.nn.Layer, it returned {type(layer).__name__}")
+        meshes = []
+        for p in layer.parameters():
+            if p.is_dist():
+                mesh = Mesh.of_paddle(p.process_mesh)
+                if mesh not in meshes:
+                    meshes.append(mesh)
+        beyond = sorted({i for m in meshes for i in m.process_ids if i >= self.world_size})
+        if beyond:
+            raise UsageError(
+                f"the model's mesh uses processes {beyond}, but the group has {self.world_size} ranks "
+                f"(num_workers={self.world_size}): raise num_workers to {max(beyond) + 1}"
+            )
+        optimizer = optimizer_factory(layer.parameters()) if optimizer_factory is not None else None
+        if optimizer is not None and not isinstance(optimizer, paddle.optimizer.Optimizer):
+            inner = getattr(optimizer, "_inner_opt", None)  # dist.shard_optimizer's wrapper
+            if not isinstance(inner, paddle.optimizer.Optimizer):
+                raise UsageError(
+                    f"optimizer must return a paddle.optimizer.Optimizer, it returned {type(optimizer).__name__}"
+                )
+        if optimizer is not None:
+            from ..compat.engine import shard_by_strategy
+
+            optimizer = shard_by_strategy(optimizer, strategy, layer.parameters())
+        self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
+        return meshes
+
+    def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
+        self.runner.set_specs(inputs, labels)
+
+    def set_mode(self, mode: str) -> ModePlan:
+        """Enter ``mode``; a program that cannot be built for these specs is refused (`UsageError`).
+
+        Every rank builds from the same specs and code, so a build error (a
+        batch of the wrong dtype for the layer, a bug in ``forward``) is the
+        same on all ranks; the driver keeps the ranks and the engine builds
+        again with the next specs.
+        """
+        try:
+            plan = self.runner.set_mode(mode)
+        except Exception as e:
+            raise UsageError(f"the {mode} program cannot be built for these inputs: {type(e).__name__}: {e}") from e
+        self.collect = self.rank in plan.readers()
+        return plan
+
+    def step(self, message: StepMessage, staged: list | None) -> list | None:
+        """One step, on the global arrays of ``message`` or the ``staged`` loader batch."""
+        self._starts.append(time.monotonic())
+        if self._thread_device != threading.get_ident():
+            # Steps may run on a thread of Ray's (compiled graphs): Paddle's device is per thread.
+            paddle.set_device(self.device)
+            self._thread_device = threading.get_ident()
+        if isinstance(message, ArraysStep):
+            # copies: the message's arrays may live in a channel's buffer, which
+            # Ray reuses only once nothing refers to them
+            staged = [np.array(a) for a in self.runner.local(message.arrays, self.rank)]
+        return self.runner.step(staged, self.collect)
+
+    def take_starts(self) -> list[float]:
+        starts, self._starts = self._starts, collections.deque(maxlen=100_000)
+        return list(starts)
+
+    def program(self, kind: str, mode: str | None) -> str:
+        return self.runner.program(kind, mode)
+
+    def state_dict(self, mode: str) -> dict:
+        return self.runner.state_dict(mode)
+
+    def state_meta(self, mode: str = "all") -> dict:
+        return self.runner.state_meta(mode)
+
+    def set_state(self, full: dict) -> None:
+        self.runner.set_state(full, self.rank)
+
+    def save_pieces(self, directory: str, names: list[str]) -> str:
+        from ..checkpoint import write_pieces
+
+        state = self.runner.state_dict("all")
+        return write_pieces(directory, self.rank, {n: state[n][0] for n in names})
+
+    def load_state(self, directory: str, tensors: dict) -> None:
+        from ..checkpoint import assemble
+
+        self.runner.set_state(assemble(directory, tensors), self.rank)

@@ -1,0 +1,35 @@
+"""Faults injected into rank processes through Ray's ``worker_process_setup_hook`` (a module path per actor).
+
+Use as ``runtime_env=faults.hook("die_after_writing_on_rank_1")``.
+"""
+
+import os
+import signal
+
+
+def hook(name: str) -> dict:
+    """A runtime_env that runs ``faults.<name>`` in every new worker process.
+
+    Ray takes ``worker_process_setup_hook`` from a job's runtime_env only; an
+    actor's workers read it from this environment variable, which is how Ray
+    passes the job's on.
+    """
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    return {"env_vars": {WORKER_PROCESS_SETUP_HOOK_ENV_VAR: f"faults.{name}",
+                         "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}}  # fmt: skip
+
+
+def die_after_writing_on_rank_1():
+    """On rank 1, a checkpoint write kills the process once its file is written."""
+    from raydist import checkpoint
+
+    write = checkpoint.write_pieces
+
+    def write_then_die(directory, rank, pieces):
+        name = write(directory, rank, pieces)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return name
+
+    checkpoint.write_pieces = write_then_die
