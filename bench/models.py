@@ -81,6 +81,8 @@ def _gpt_classes():
     R, S = dist.Replicate(), dist.Shard
 
     def shard(layer, mesh, weight, bias=None):
+        if mesh is None:  # one plain process: bench/reference.py
+            return
         layer.weight = dist.shard_tensor(layer.weight, mesh, [R, weight])
         if bias is not None:
             layer.bias = dist.shard_tensor(layer.bias, mesh, [R, bias])
