@@ -2,7 +2,8 @@
 
     python examples/quickstart.py
 
-Starts a local Ray, trains for a few dozen steps, then evaluates and predicts.
+Starts a local Ray, trains for a few dozen steps with a warm-up-and-cosine
+learning-rate schedule, then evaluates and predicts.
 """
 
 import os
@@ -47,18 +48,27 @@ def make_data(batches, seed):
     return [(x, np.sin(x @ w)) for x in xs]
 
 
+def make_optimizer(params, steps):
+    """Runs on every rank: AdamW, warming up for a tenth of the steps, then a cosine decay."""
+    lr = paddle.optimizer.lr
+    warmup = max(1, steps // 10)
+    schedule = lr.LinearWarmup(lr.CosineAnnealingDecay(1e-2, T_max=steps - warmup), warmup, 0.0, 1e-2)
+    return paddle.optimizer.AdamW(schedule, parameters=params)
+
+
 def main(steps: int = int(os.environ.get("QUICKSTART_STEPS", 100))):
     train, test = make_data(steps, seed=1), make_data(1, seed=2)[0]
     with raydist.to_static(
         build_layer,
         loss=paddle.nn.MSELoss(),
-        optimizer=lambda params: paddle.optimizer.AdamW(1e-2, parameters=params),
+        optimizer=lambda params: make_optimizer(params, steps),
         num_workers=4,  # one Ray actor per rank; batches are split along "dp"
     ) as dm:
         bar = tqdm(train, desc="train", unit="step")
         for x, y in bar:
             loss = dm(x, y)  # the global batch; each dp group gets its half
-            bar.set_postfix(loss=f"{loss:.4f}")
+            dm.lr_scheduler.step()  # every rank's schedule, from the next step on
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{dm.lr_scheduler.last_lr:.2e}")
 
         dm.eval()
         print(f"eval loss on held-out data: {dm(*test):.4f} (variance of the targets: {test[1].var():.4f})")

@@ -78,7 +78,7 @@ def commit(staged: str, path: str, manifest: dict[str, Any]) -> None:
     """Write the manifest (last), then move the staged directory into place."""
     filesystem, where = open_dir(staged)
     with filesystem.open_output_stream(posixpath.join(where, MANIFEST)) as out:
-        out.write(json.dumps(manifest, indent=1).encode())
+        out.write(json.dumps(manifest, indent=1, default=_plain).encode())
     if staged != path:
         target_fs, target = open_dir(path)
         target_fs.move(where, target)
@@ -158,6 +158,13 @@ def layout_from_json(data: dict | None) -> Layout | None:
         return None
     mesh = Mesh(tuple(data["mesh_shape"]), tuple(data["process_ids"]), tuple(data["dim_names"]))
     return Layout(mesh, tuple(data["dims_mapping"]), tuple((int(d), str(r)) for d, r in data["partial"]))
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays (a scheduler's state may hold them) as JSON numbers and lists."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _key(name: str) -> str:

@@ -12,13 +12,29 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
+class LrChange:
+    """A change to every rank's learning rate, made before the step it travels with.
+
+    ``kind``: "step" (``scheduler.step(*args, **kwargs)``), "state"
+    (``scheduler.set_state_dict(args[0])``) or "value" (a float learning rate,
+    ``args[0]``).
+    """
+
+    kind: str
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class ArraysStep:
     """A step on a GLOBAL batch from the driver: every rank takes its own shard (a view).
 
-    ``arrays``: inputs then labels, in the model's order.
+    ``arrays``: inputs then labels, in the model's order; ``lr``: learning-rate
+    changes to make first.
     """
 
     arrays: list[np.ndarray]
+    lr: tuple[LrChange, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -33,11 +49,21 @@ class LoaderStep:
     epoch: int
     step: int
     keys: tuple[Any, ...]
+    lr: tuple[LrChange, ...] = ()
 
     nbytes = 0
 
 
 StepMessage = Union[ArraysStep, LoaderStep]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildReport:
+    """What a rank built: the meshes of the layer's parameters, in order, and the
+    optimizer's learning rate (a float, a pickled ``LRScheduler``, or None)."""
+
+    meshes: list[Any]
+    learning_rate: float | bytes | None
 
 
 @dataclasses.dataclass(frozen=True)

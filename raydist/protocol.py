@@ -20,7 +20,7 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import LoaderStep, ReadOrder, StepMessage
+from .messages import BuildReport, LoaderStep, ReadOrder, StepMessage
 from .topology import ModePlan
 
 if TYPE_CHECKING:
@@ -120,8 +120,8 @@ class RankActor(Member):
     # -- the model ---------------------------------------------------------------
 
     @reports_rank
-    def build(self, payload: bytes) -> list:
-        """Build the layer and the optimizer from the pickled builders; the meshes the layer uses."""
+    def build(self, payload: bytes) -> BuildReport:
+        """Build the layer and the optimizer from the pickled builders: its meshes and learning rate."""
         return self.model.build(payload)
 
     @reports_rank

@@ -116,9 +116,11 @@ _REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min, "prod": 
 
 @dataclasses.dataclass
 class ModePlan:
-    """What a mode's step fetches: the layout of each fetched value on the mesh."""
+    """What a mode's step fetches: the layout of each fetched value on the mesh, and how
+    they group (predict: the outputs; train: the loss; eval: the loss, then each metric's values)."""
 
     layouts: list[Layout]
+    groups: tuple[int, ...] = ()
 
     def readers(self) -> set[int]:
         """The ranks whose results a step reads: one per distinct piece of each fetched value."""

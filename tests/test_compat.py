@@ -152,6 +152,30 @@ def test_engine_defect_3_the_loss_names_are_those_of_the_last_mode_built():
     assert "train: ['loss_0']" in out and "after building predict: []" in out
 
 
+def test_engine_defect_7_distmodel_ignores_its_metrics():
+    out = run_plain_paddle(
+        """
+    import inspect
+    import paddle, paddle.distributed as dist
+    from paddle.static import InputSpec
+    mesh = dist.ProcessMesh([0], dim_names=["x"])
+    net = paddle.nn.Linear(4, 3)
+    net.weight = dist.shard_tensor(net.weight, mesh, [dist.Replicate()])
+    spec = [[InputSpec([2, 4], "float32", "x")], [InputSpec([2, 1], "int64", "y")]]
+    x, y = paddle.ones([2, 4]), paddle.to_tensor([[0], [2]], dtype="int64")
+    print("to_static takes metrics:", "metrics" in inspect.signature(dist.to_static).parameters)
+    accuracy = paddle.metric.Accuracy()
+    dm = dist.DistModel(net, None, paddle.nn.CrossEntropyLoss(), paddle.optimizer.SGD(0.1, parameters=net.parameters()),
+                        None, [accuracy], input_spec=spec)
+    dm.train(); dm(x, y)
+    dm.eval(); out = dm(x, y)
+    print("eval returns a scalar:", paddle.to_tensor(out).ndim == 0, "accuracy counted:", int(accuracy.count[0]))
+    """
+    )
+    assert "to_static takes metrics: False" in out
+    assert "eval returns a scalar: True accuracy counted: 0" in out  # the loss only; the metric saw nothing
+
+
 def test_engine_defect_4_dist_main_program_ignores_mode():
     out = run_plain_paddle(
         SINGLE_PROCESS_MODEL

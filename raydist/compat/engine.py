@@ -38,6 +38,12 @@ Paddle 3.3.1 defects answered here (``paddle/distributed/auto_parallel/api.py``
    sharding pass is commented out); only ``dist.shard_optimizer`` shards.
    Fix: `shard_by_strategy` wraps the optimizer in ``dist.shard_optimizer``
    with ``ShardingStage{stage}`` along the mesh dim "dp" (else the first).
+7. ``DistModel`` ignores its metrics: ``to_static`` takes none, and a call in
+   eval fetches the loss only (``Engine.run``), so the metric values
+   ``ProxyLayer._eval`` computes are never read and, not persisted, are pruned
+   from the PIR program. Fix: the runner hands the engine the metrics,
+   `_eval` below keeps their values under known names, and `build` returns
+   them to fetch.
 """
 
 from __future__ import annotations
@@ -51,9 +57,11 @@ from paddle.distributed.auto_parallel.static import helper as _helper
 from . import expect_source
 
 OUTPUT_PREFIX = "raydist_output_"
+METRIC_PREFIX = "raydist_metric_"
 
 _applied = False
 _original_predict = _helper.ProxyLayer._predict
+_original_eval = _helper.ProxyLayer._eval
 
 
 @paddle.jit.not_to_static
@@ -72,8 +80,27 @@ def _predict(self, inputs, labels):
     _persist_outputs(self, "predict")
 
 
-def build(engine, mode: str, *, first: bool) -> list[str]:
-    """Build ``mode``'s program; returns the names of the values to fetch.
+@paddle.jit.not_to_static
+def _persist_metrics(proxy, mode):
+    fed = list(proxy._input_vars[mode]) + list(proxy._label_vars[mode])
+    proxy._raydist_metric_names = []
+    for i, values in enumerate(proxy._metric_vars[mode]):
+        names = [f"{METRIC_PREFIX}{i}_{j}" for j in range(len(values))]
+        for value, name in zip(values, names):
+            if any(value.is_same(v) for v in fed):  # a fed value passed through (Precision's labels):
+                value = paddle.assign(value)  # persisting the feed itself breaks the collectives' rewrite
+            paddle._C_ops.set_persistable_value(value, name)
+        proxy._raydist_metric_names.append(names)
+
+
+def _eval(self, inputs, labels):
+    _original_eval(self, inputs, labels)
+    _persist_metrics(self, "eval")
+
+
+def build(engine, mode: str, *, first: bool) -> list[list[str]]:
+    """Build ``mode``'s program; returns the names of the values to fetch, in groups:
+    predict: [outputs]; train: [[loss]]; eval: [[loss], metric 0's values, metric 1's...].
 
     ``first``: no mode was built before (this one initialises the parameters).
     """
@@ -92,10 +119,14 @@ def build(engine, mode: str, *, first: bool) -> list[str]:
         paddle.disable_static()
         plans = engine.__dict__.setdefault("_raydist_plans", {})
         plans[mode], engine._job_plan = engine._job_plan, None
+    proxy = engine.program_helper.proxy_layer
     if mode == "predict":
-        return list(engine.program_helper.proxy_layer._raydist_output_names)
+        return [list(proxy._raydist_output_names)]
     loss = engine._loss_names
-    return [loss] if isinstance(loss, str) else list(loss)[:1]
+    names = [[loss] if isinstance(loss, str) else list(loss)[:1]]
+    if mode == "eval":
+        names += proxy._raydist_metric_names
+    return names
 
 
 def shard_by_strategy(optimizer, strategy, parameters):
@@ -219,9 +250,11 @@ def apply() -> None:
     expect_source(_engine.Engine.run, 'loss_job_type = f"forward{vpp_degree - 1}"', fix="engine")
     expect_source(_engine.Engine.get_dist_main_program, "self._pir_dist_main_progs[self._mode]", fix="engine")
     expect_source(_helper.ProxyLayer._predict, "self._output_vars[mode] = self.inner_layer(*inputs)", fix="engine")
+    expect_source(_helper.ProxyLayer._eval, "self._metric_vars[mode] = self.call_metrics(new_inputs)", fix="engine")
     from paddle.distributed.auto_parallel.api import DistModel
 
     expect_source(_engine.Engine._parallel_pir, "# dist_program = apply_sharding_optimization_pass", fix="engine")
     expect_source(DistModel._build_distributed_state_dict, 'len(dist_attr["dims_mapping"])', fix="engine")
     _helper.ProxyLayer._predict = _predict
+    _helper.ProxyLayer._eval = _eval
     _applied = True

@@ -148,6 +148,11 @@ class ShardDataloader:
             return per_group // self.local_batch_size
         return math.ceil(per_group / self.local_batch_size)
 
+    def rows_at(self, step: int) -> int:
+        """Rows of the global batch of ``step`` (the last one may be short unless drop_last)."""
+        per_group = self._source.rows_per_group(self.rows(), self.dp)
+        return min(self.local_batch_size, per_group - step * self.local_batch_size) * self.dp
+
     def rows(self) -> int:
         """Rows in the dataset (counted once; may run a Ray Data pipeline)."""
         if self._rows is None:

@@ -1,20 +1,32 @@
-"""A training loop that survives rank failures: checkpoints, restart, resume.
+"""A training loop: Paddle's callbacks, evaluation, learning-rate schedules, and recovery from rank failures.
 
-`DistModel.fit` runs epochs of a `raydist.ShardDataloader` with a progress bar,
-saves a checkpoint every ``checkpoint_every`` steps and, when a rank fails,
-starts a fresh group of ranks (on other nodes if needed), restores the latest
-checkpoint, resumes the data at its epoch and step, and goes on, up to
-``max_failures`` times. The data's order depends only on the epoch (and the
-loader's seed), so a run that lost a rank ends where an undisturbed one does.
-The loop uses the model's public API only (calls, ``save``, ``restart``).
+`DistModel.fit` runs epochs of a `raydist.ShardDataloader` with a progress bar
+and Paddle's own callbacks (``paddle.callbacks.Callback``: ProgBarLogger,
+EarlyStopping, ReduceLROnPlateau, VisualDL, ... take a raydist model as they
+take a ``paddle.Model``). It steps the learning-rate schedule as Paddle's
+``paddle.callbacks.LRScheduler`` asks (every step by default, as Paddle's
+``Engine.fit``), evaluates on ``eval_loader``, saves a checkpoint every
+``checkpoint_every`` steps and, when a rank fails, starts a fresh group of
+ranks, restores the latest checkpoint (the schedule's position included),
+resumes the data at its epoch and step, and goes on, up to ``max_failures``
+times. The data's order depends only on the epoch (and the loader's seed), so
+a run that lost a rank ends where an undisturbed one does.
+
+Steps run ahead of the loop (``max_in_flight``): a step's ``on_train_batch_end``
+comes once its loss is known, without waiting for the steps after it. A
+schedule step is sent with the next step, so the next step uses it, as in one
+process. The loop uses the model's public API (calls, ``evaluate``, ``save``,
+``restart``, ``lr_scheduler``).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import posixpath
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -37,24 +49,33 @@ def fit(
     checkpoint_dir: str | None = None,
     max_failures: int = 0,
     progress: bool = True,
+    callbacks: Sequence[Any] | None = None,
+    eval_loader: Any = None,
+    eval_every: int | None = None,
 ) -> list[float]:
     if (checkpoint_every or max_failures) and not checkpoint_dir:
         raise ValueError("checkpoint_every and max_failures need a checkpoint_dir")
     if checkpoint_dir and checkpoint.exists(checkpoint_dir) and checkpoint.listing(checkpoint_dir):
         raise ValueError(f"checkpoint_dir {checkpoint_dir} is not empty: give each fit a directory of its own")
+    if eval_every is not None and eval_loader is None:
+        raise ValueError("eval_every needs an eval_loader")
+    if eval_loader is not None and eval_loader is loader:
+        raise ValueError("eval_loader must be a loader of its own: evaluating on the training loader ends its epoch")
     total = len(loader) * epochs if steps is None else min(steps, len(loader) * epochs)
     if dm.mode != "train":
         dm.train()
-    run = _Run(dm, loader, epochs, total, checkpoint_every, checkpoint_dir)
+    run = _Run(dm, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every)
+    run.callbacks = _callbacks(callbacks, run, loader, epochs, total)
     if max_failures:
         run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
     failures = 0
     with tqdm(total=total, unit="step", disable=not progress, desc="fit") as bar:
         run.bar = bar
+        run.callbacks.on_begin("train", {})
         while True:
             try:
                 run.go()
-                return run.history
+                break
             except RankError as e:
                 failures += 1
                 if failures > max_failures:
@@ -62,37 +83,80 @@ def fit(
                 log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
                 dm.restart()
                 run.rewind()
+        run.callbacks.on_end("train", run.logs)
+    return run.history
+
+
+@dataclasses.dataclass
+class _Sent:
+    loss: Any  # raydist.Loss
+    epoch: int
+    step: int  # in its epoch
+    lr: float | None  # the learning rate it ran with
 
 
 class _Run:
-    def __init__(self, dm, loader, epochs, total, every, directory):
+    def __init__(self, dm, loader, epochs, total, every, directory, eval_loader, eval_every):
         self.dm, self.loader, self.epochs, self.total = dm, loader, epochs, total
         self.every, self.directory = every, directory
+        self.eval_loader, self.eval_every = eval_loader, eval_every
         self.history: list[float] = []
         self.resume = (0, 0, 0)  # (epoch, step, steps done) where the latest checkpoint stands
         self.bar = None
+        self.callbacks = None
+        self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
+        self.stop_training = False  # set by callbacks (EarlyStopping), through the model they see
+        self.logs: dict[str, Any] = {}
 
     def go(self) -> None:
         epoch0, step0, _ = self.resume
-        pending: collections.deque = collections.deque()
+        pending: collections.deque[_Sent] = collections.deque()
         for epoch in range(epoch0, self.epochs):
-            for step, batch in enumerate(self.loader.epoch(epoch, step0 if epoch == epoch0 else 0),
-                                         step0 if epoch == epoch0 else 0):  # fmt: skip
-                pending.append(self.dm(*(batch.values() if isinstance(batch, dict) else batch)))
+            first = step0 if epoch == epoch0 else 0
+            if first == 0:
+                self.callbacks.on_epoch_begin(epoch, {})
+            for step, batch in enumerate(self.loader.epoch(epoch, first), first):
+                self.callbacks.on_batch_begin("train", step, {})
+                lr = self.dm._learning_rate_now()
+                pending.append(_Sent(self.dm(*(batch.values() if isinstance(batch, dict) else batch)), epoch, step, lr))
+                if self.by_step and self.dm.lr_scheduler is not None:
+                    self.dm.lr_scheduler.step()  # travels with the next step
                 self._collect(pending, wait=False)
                 done = len(self.history) + len(pending)
+                last = step + 1 == len(self.loader)
                 if self.every and done % self.every == 0:
                     self._collect(pending, wait=True)
-                    last = step + 1 == len(self.loader)
                     self.checkpoint(epoch + 1 if last else epoch, 0 if last else step + 1)
-                if done >= self.total:
+                if self.eval_every and done % self.eval_every == 0:
                     self._collect(pending, wait=True)
+                    self.evaluate()
+                if done >= self.total or self.stop_training:
+                    self._collect(pending, wait=True)
+                    if last:
+                        self._end_epoch(epoch)
                     return
-        self._collect(pending, wait=True)
+            self._collect(pending, wait=True)
+            self._end_epoch(epoch)
+            if self.stop_training:
+                return
+
+    def _end_epoch(self, epoch: int) -> None:
+        if self.eval_loader is not None and self.eval_every is None:
+            self.evaluate()
+        if self.by_epoch and self.dm.lr_scheduler is not None:
+            self.dm.lr_scheduler.step()
+        self.callbacks.on_epoch_end(epoch, dict(self.logs))
+
+    def evaluate(self) -> None:
+        result = self.dm.evaluate(self.eval_loader, callbacks=self.callbacks)
+        self.logs.update({f"eval_{k}": v for k, v in result.items()})
 
     def _collect(self, pending: collections.deque, wait: bool) -> None:
-        while pending and (wait or pending[0].done):
-            self.history.append(float(pending.popleft()))
+        while pending and (wait or pending[0].loss.done):
+            sent = pending.popleft()
+            self.history.append(float(sent.loss))
+            self.logs = {"loss": self.history[-1], "lr": sent.lr, "batch_size": self.loader.batch_size}
+            self.callbacks.on_batch_end("train", sent.step, dict(self.logs))
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{self.history[-1]:.4f}", refresh=False)
 
@@ -107,3 +171,64 @@ class _Run:
         del self.history[done:]
         self.bar.n = done
         self.bar.refresh()
+
+
+def _callbacks(callbacks: Sequence[Any] | None, run: _Run, loader, epochs: int, total: int):
+    """Paddle's CallbackList over ``callbacks``, seeing the model through `_CallbackModel`.
+
+    A ``paddle.callbacks.LRScheduler`` among them says when the schedule steps
+    (by step, the default, or by epoch); the loop steps it as each step is sent
+    rather than when the step's end is reported, which may be later.
+    """
+    from paddle.callbacks import LRScheduler
+    from paddle.hapi.callbacks import config_callbacks
+
+    callbacks = list(callbacks or [])
+    for cb in callbacks:
+        if not hasattr(cb, "on_train_batch_end"):
+            raise TypeError(f"callbacks must be paddle.callbacks.Callback objects, got {type(cb).__name__}")
+    schedulers = [cb for cb in callbacks if isinstance(cb, LRScheduler)]
+    if schedulers:
+        run.by_step, run.by_epoch = schedulers[-1].by_step, schedulers[-1].by_epoch
+    cbks = config_callbacks(callbacks, model=_CallbackModel(run), batch_size=loader.batch_size, epochs=epochs,
+                            steps=len(loader), verbose=0, metrics=["loss"])  # fmt: skip
+    cbks.callbacks = [cb for cb in cbks.callbacks if not isinstance(cb, LRScheduler)]  # the loop steps it
+    return cbks
+
+
+class _CallbackModel:
+    """What Paddle's callbacks use of a ``paddle.Model``, for a raydist model in fit."""
+
+    def __init__(self, run: _Run):
+        self._run = run
+        self._optimizer = _OptimizerView(run.dm)
+
+    @property
+    def stop_training(self) -> bool:
+        return self._run.stop_training
+
+    @stop_training.setter
+    def stop_training(self, value: bool) -> None:
+        self._run.stop_training = bool(value)
+
+    def save(self, path: str, training: bool = True) -> None:
+        self._run.dm.save(path)
+
+
+class _OptimizerView:
+    """``model._optimizer`` for callbacks: its learning rate is the ranks'."""
+
+    def __init__(self, dm: "DistModel"):
+        self._dm = dm
+
+    @property
+    def _learning_rate(self):
+        dm = self._dm
+        return dm.lr_scheduler if dm.lr_scheduler is not None else dm._learning_rate_now()
+
+    @_learning_rate.setter
+    def _learning_rate(self, value: float) -> None:  # ReduceLROnPlateau
+        self._dm._set_learning_rate(value)
+
+    def get_lr(self) -> float:
+        return self._dm._learning_rate_now()

@@ -18,7 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    get_current_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..env import RankPlace, paddle_env
@@ -92,6 +97,8 @@ class RankGroup:
         self.pids: list[int] = []
         self.fixes: list[str] = []  # the Paddle fixes the ranks applied
         self._pg = None
+        self._owns_pg = False
+        self._bundles: list[int] = []
         self._alive = False
         self._on_shutdown: list = []
         self._start()
@@ -103,8 +110,7 @@ class RankGroup:
         port = cfg.master_port
         for attempt in range(3):
             try:
-                self._pg = placement_group([cfg.bundle()] * cfg.num_workers, strategy=cfg.placement_strategy)
-                wait_placed(self._pg, cfg.bundle(), cfg.num_workers, cfg.placement_timeout_s)
+                self._place()
                 self._spawn()
                 self._rendezvous(port)
                 return
@@ -119,12 +125,36 @@ class RankGroup:
                 self.shutdown()
                 raise
 
+    def _place(self) -> None:
+        """The placement group and bundles of the ranks: a new group of our own, or, when
+        this runs inside a placement group (a Ray Tune trial, say), that group's last bundles."""
+        cfg = self.config
+        current = get_current_placement_group()
+        if current is None:
+            self._pg, self._owns_pg = placement_group([cfg.bundle()] * cfg.num_workers,
+                                                      strategy=cfg.placement_strategy), True  # fmt: skip
+            wait_placed(self._pg, cfg.bundle(), cfg.num_workers, cfg.placement_timeout_s)
+            self._bundles = list(range(cfg.num_workers))
+            return
+        self._pg, self._owns_pg = current, False
+        bundles = placement_group_table(current)["bundles"]
+        mine = sorted(bundles)[-cfg.num_workers:] if len(bundles) > cfg.num_workers else []
+        short = [b for b in mine if any(bundles[b].get(k, 0.0) < v for k, v in cfg.bundle().items())]
+        if not mine or short:
+            raise ValueError(
+                f"this runs inside a placement group of {len(bundles)} bundles ({list(bundles.values())}); "
+                f"raydist puts its {cfg.num_workers} ranks in the last {cfg.num_workers}, each holding "
+                f"{cfg.bundle()}, after the caller's own: e.g. tune.PlacementGroupFactory([{{'CPU': 1}}] + "
+                f"[{cfg.bundle()}] * {cfg.num_workers})"
+            )
+        self._bundles = mine
+
     def _spawn(self) -> None:
         """Start one actor per rank, ranks ordered by node (the driver's first), then bundle."""
         cfg = self.config
         bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
         here = ray.get_runtime_context().get_node_id()
-        order = sorted(range(cfg.num_workers), key=lambda b: (bundle_nodes[b] != here, bundle_nodes[b], b))
+        order = sorted(self._bundles, key=lambda b: (bundle_nodes[b] != here, bundle_nodes[b], b))
         prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
         res = cfg.bundle()
         self.actors = [
@@ -278,7 +308,7 @@ class RankGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
-        if self._pg is not None:
+        if self._pg is not None and self._owns_pg:
             try:
                 remove_placement_group(self._pg)
             except Exception:  # already removed

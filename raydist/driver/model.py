@@ -7,17 +7,18 @@ through one `raydist.driver.client.RankClient`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 
 from .. import pickling
 from ..data.loader import Handle, ShardDataloader
-from ..messages import ArraysStep, LoaderStep, StepMessage
+from ..messages import ArraysStep, LoaderStep, LrChange, StepMessage
 from ..protocol import RankActor
 from ..specs import from_input_spec
 from ..strategy import check as check_strategy
@@ -28,7 +29,10 @@ from .connect import init_ray
 from .group import GroupConfig, RankGroup
 from .inputs import InputSpecs, Specs, array_specs, leaves, to_array
 from .state import ModelState
-from .steps import Loss
+from .steps import Evaluated, Loss
+
+if TYPE_CHECKING:
+    from .schedule import RankScheduler
 
 log = logging.getLogger("raydist")
 
@@ -51,7 +55,10 @@ class DistModel:
         optimizer: a callable ``parameters -> paddle.optimizer.Optimizer``
             (e.g. ``lambda p: paddle.optimizer.AdamW(1e-3, parameters=p)``).
         strategy: a ``paddle.distributed.Strategy``, passed to every rank.
-        metrics: as in Paddle (Paddle 3.3.1's static engine ignores them).
+        metrics: ``paddle.metric.Metric`` objects, as in Paddle (whose 3.3.1 static
+            engine ignores them): `evaluate` reports them; the ranks that hold the
+            outputs compute each step's values (``Metric.compute`` in the eval
+            program), the driver updates and accumulates them.
         input_spec: as in Paddle, ``[[inputs...], [labels...]]`` of ``InputSpec``
             or ``DistributedInputSpec`` with GLOBAL shapes; None infers them from
             the first batch.
@@ -113,6 +120,7 @@ class DistModel:
                                        "the layer builder, loss, optimizer or strategy")  # fmt: skip
         self._specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES})
         self._has_loss, self._has_optimizer = loss is not None, optimizer is not None
+        self._metrics = list(metrics or [])
         self._mode = "train" if (self._has_loss and self._has_optimizer) else ("eval" if self._has_loss else "predict")
         self._max_in_flight = max_in_flight
         self._compiled = dispatch == "compiled" or (dispatch == "auto" and use_gpu)
@@ -120,6 +128,7 @@ class DistModel:
                                    placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s)  # fmt: skip
         init_ray(num_workers, resources_per_rank, use_gpu)
         self._state: ModelState | None = None
+        self._lr_scheduler: RankScheduler | None = None
         self._start(first_step=0)
         if loader is not None:
             loader.bind(self._client)
@@ -133,12 +142,13 @@ class DistModel:
                                   step_timeout=self._config.step_timeout_s, first_step=first_step)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._client.close)
         try:
-            meshes = self._client.call(RankActor.build, ray.put(self._payload))[0]
-            check_meshes(meshes, self._config.use_gpu)
+            report = self._client.call(RankActor.build, ray.put(self._payload))[0]
+            check_meshes(report.meshes, self._config.use_gpu)
         except BaseException:
             self._client.close()
             raise
-        self._specs.place(*_data_meshes(meshes, self._config.num_workers))
+        self._specs.place(*_data_meshes(report.meshes, self._config.num_workers))
+        self._start_learning_rate(report.learning_rate)
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._rank_specs: Specs | None = None  # the specs the ranks have
         self._plans: dict[str, ModePlan] = {}  # mode -> what its steps fetch (rank 0's)
@@ -146,6 +156,44 @@ class DistModel:
             self._state = ModelState(self._client, self._has_optimizer)
         else:
             self._state.client = self._client
+
+    def _start_learning_rate(self, learning_rate: float | bytes | None) -> None:
+        """The ranks' learning rate as they built it (a new group starts from the first)."""
+        self._lr_changes: list[LrChange] = []  # to send with the next step
+        self._learning_rate = learning_rate if isinstance(learning_rate, float) else None
+        if isinstance(learning_rate, bytes):
+            from .schedule import RankScheduler  # a paddle LRScheduler: imported with Paddle, when needed
+
+            replica = pickling.loads(learning_rate)
+            if self._lr_scheduler is None:
+                self._lr_scheduler = RankScheduler(replica, self._lr_changes.append)
+            else:  # the same handle for the user across restarts
+                self._lr_scheduler.__dict__.update(_replica=replica, _send=self._lr_changes.append)
+
+    @property
+    def lr_scheduler(self) -> RankScheduler | None:
+        """The ranks' ``LRScheduler`` (None when the learning rate is a float): ``step()``,
+        ``step(metrics)``, ``last_lr``, ``get_lr()``, ``state_dict()``; a change takes
+        effect from the next call on. See `raydist.driver.schedule`."""
+        return self._lr_scheduler
+
+    def _set_learning_rate(self, value: float) -> None:
+        """A float learning rate for the ranks, from the next call on (Paddle's ReduceLROnPlateau callback)."""
+        if self._lr_scheduler is not None:
+            raise ValueError("the optimizer's learning rate is an LRScheduler: change it with dm.lr_scheduler")
+        self._learning_rate = float(value)
+        self._lr_changes.append(LrChange("value", (self._learning_rate,)))
+
+    def _learning_rate_now(self) -> float | None:
+        """The learning rate the next train step uses."""
+        return self._lr_scheduler() if self._lr_scheduler is not None else self._learning_rate
+
+    def _take_lr_changes(self) -> tuple[LrChange, ...]:
+        if not self._lr_changes:
+            return ()
+        changes = tuple(self._lr_changes)
+        self._lr_changes.clear()
+        return changes
 
     def restart(self) -> None:
         """Start a fresh group of ranks (after a failure) and restore the last checkpoint.
@@ -230,7 +278,7 @@ class DistModel:
         if not handles:
             arrays = [to_array(v) for v in values]
             self._enter(mode, self._specs.for_call(array_specs(arrays), mode))
-            return ArraysStep(arrays)  # every rank takes its own shard (a view)
+            return ArraysStep(arrays, self._take_lr_changes())  # every rank takes its own shard (a view)
         first = handles[0]
         if len(handles) != len(values):
             raise TypeError("pass either loader handles or arrays to a DistModel call, not both")
@@ -242,7 +290,65 @@ class DistModel:
         loader.bind(self._client)
         self._enter(mode, specs)
         loader.take(first)
-        return LoaderStep(loader._id, first.epoch, first.step, tuple(h.key for h in handles))
+        return LoaderStep(loader._id, first.epoch, first.step, tuple(h.key for h in handles), self._take_lr_changes())
+
+    def evaluate(self, data: Any, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
+        """Loss and metrics over every row of ``data``, as Paddle's ``Engine.evaluate``.
+
+        ``data``: a `raydist.ShardDataloader` (one epoch of it) or an iterable of
+        batches (inputs then labels, as for a call). Returns ``{"loss": ...,
+        <metric names>: ...}``: the loss is the mean over the rows, each metric
+        (``metrics=`` of the model) is updated with every step's values, which the
+        ranks holding the outputs compute, and accumulated. The model goes back
+        to its mode afterwards. ``callbacks``: ``paddle.callbacks.Callback`` objects,
+        told ``on_eval_begin``, ``on_eval_batch_begin/end`` and ``on_eval_end`` (with
+        the result).
+        """
+        if not self._has_loss:
+            raise ValueError("evaluate needs a loss")
+        loader = data if isinstance(data, ShardDataloader) else None
+        batches = loader() if loader is not None else iter(data)
+        previous = self._mode
+        self._switch("eval")
+        for metric in self._metrics:
+            metric.reset()
+        cbks = _callback_list(callbacks)
+        names = [name for metric in self._metrics for name in _as_list(metric.name())]
+        cbks.on_begin("eval", {"steps": len(loader) if loader is not None else None, "metrics": ["loss", *names]})
+        total, rows = 0.0, 0
+        pending: collections.deque = collections.deque()  # (Loss, rows, step), in flight
+
+        def fold(wait: bool) -> None:
+            nonlocal total, rows
+            while pending and (wait or pending[0][0].done):
+                loss, n, step = pending.popleft()
+                outcome = loss._step.result()
+                total, rows = total + float(outcome) * n, rows + n
+                for metric, values in zip(self._metrics, getattr(outcome, "metrics", [])):
+                    metric.update(*values)
+                cbks.on_batch_end("eval", step, {"loss": float(outcome), "batch_size": n})
+
+        try:
+            for step, batch in enumerate(batches):
+                if steps is not None and step >= steps:
+                    break
+                args = list(batch.values()) if isinstance(batch, dict) else list(batch)
+                n = loader.rows_at(step) if loader is not None else len(to_array(next(leaves(args))))
+                cbks.on_batch_begin("eval", step, {})
+                pending.append((self(*args), n, step))
+                fold(wait=False)
+            fold(wait=True)
+        finally:
+            if previous != "eval":
+                self._switch(previous)
+        if not rows:
+            raise ValueError("evaluate: the data held no batch")
+        result = {"loss": total / rows}
+        for metric in self._metrics:
+            names, values = _as_list(metric.name()), _as_list(metric.accumulate())
+            result.update((name, float(value)) for name, value in zip(names, values))
+        cbks.on_end("eval", dict(result))
+        return result
 
     def wait(self) -> None:
         """Complete every step in flight; raises the first failure."""
@@ -309,8 +415,12 @@ class DistModel:
 
         from .. import __version__
 
-        self._state.save(path, step=self._client.window.submitted, mode=self._mode, raydist=__version__,
-                         paddle=paddle.__version__)  # fmt: skip
+        if self._lr_scheduler is not None:
+            learning_rate = {"scheduler": self._lr_scheduler.state_dict()}
+        else:
+            learning_rate = {"value": self._learning_rate}
+        self._state.save(path, step=self._client.window.submitted, mode=self._mode, learning_rate=learning_rate,
+                         raydist=__version__, paddle=paddle.__version__)  # fmt: skip
 
     def load(self, path: str) -> None:
         """Restore parameters and optimizer state from a checkpoint `save` wrote, on any mesh.
@@ -318,7 +428,12 @@ class DistModel:
         What the model does not have yet (the optimizer's state before the
         train program is built) is restored when it is built.
         """
-        self._state.load(path, "train" in self._plans)
+        manifest = self._state.load(path, "train" in self._plans)
+        saved = manifest.get("learning_rate") or {}
+        if self._lr_scheduler is not None and saved.get("scheduler") is not None:
+            self._lr_scheduler.set_state_dict(saved["scheduler"])
+        elif self._learning_rate is not None and saved.get("value") is not None:
+            self._set_learning_rate(saved["value"])
 
     def fit(
         self,
@@ -329,10 +444,18 @@ class DistModel:
         checkpoint_dir: str | None = None,
         max_failures: int = 0,
         progress: bool = True,
+        callbacks: Sequence[Any] | None = None,
+        eval_loader: Any = None,
+        eval_every: int | None = None,
     ) -> list[float]:
         """Train on ``loader`` for ``epochs`` (or ``steps``), surviving up to ``max_failures`` rank failures.
 
-        Shows a progress bar (loss, steps/s); saves a checkpoint to
+        Shows a progress bar (loss, steps/s); runs Paddle's callbacks
+        (``paddle.callbacks.Callback``: ``on_train_batch_end`` gets ``{"loss", "lr"}``);
+        steps the learning-rate schedule every step (or every epoch, with
+        ``callbacks=[paddle.callbacks.LRScheduler(by_step=False, by_epoch=True)]``);
+        evaluates on ``eval_loader`` (a loader of its own) every ``eval_every``
+        steps, or at each epoch's end; saves a checkpoint to
         ``checkpoint_dir/step-NNNNNNNN`` every ``checkpoint_every`` steps; on a
         `RankError` restarts the ranks, restores the latest checkpoint and
         resumes the data where it stood. Returns the loss of every step.
@@ -340,7 +463,8 @@ class DistModel:
         """
         from .fit import fit
 
-        return fit(self, loader, epochs, steps, checkpoint_every, checkpoint_dir, max_failures, progress)
+        return fit(self, loader, epochs, steps, checkpoint_every, checkpoint_dir, max_failures, progress, callbacks,
+                   eval_loader, eval_every)  # fmt: skip
 
     # -- lifetime --------------------------------------------------------------
 
@@ -374,10 +498,11 @@ def to_static(
 ) -> DistModel:
     """Build a `DistModel` on a group of Ray ranks, as ``paddle.distributed.to_static`` would.
 
-    See `DistModel` for the arguments; keyword arguments (``num_workers``,
-    ``use_gpu``, ...) go to it.
+    See `DistModel` for the arguments; keyword arguments (``metrics``,
+    ``num_workers``, ``use_gpu``, ...) go to it.
     """
-    return DistModel(layer, loader, loss, optimizer, strategy, None, input_spec, **kwargs)
+    metrics = kwargs.pop("metrics", None)
+    return DistModel(layer, loader, loss, optimizer, strategy, metrics, input_spec, **kwargs)
 
 
 # -- argument checks (all before any actor starts) ---------------------------------
@@ -410,6 +535,9 @@ def _check_arguments(layer, loader, loss, optimizer, strategy, metrics, max_in_f
             raise ValueError("strategy.full_graph=False asks Paddle for a dygraph model; raydist runs the static DistModel")
     if metrics is not None and not isinstance(metrics, (list, tuple)):
         raise TypeError(f"metrics must be a list, got {type(metrics).__name__}")
+    for metric in metrics or []:
+        if not isinstance(metric, paddle.metric.Metric):
+            raise TypeError(f"metrics must be paddle.metric.Metric objects, got {type(metric).__name__}")
     if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
         raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
     if dispatch not in DISPATCH:
@@ -448,14 +576,32 @@ def _data_meshes(meshes: list[Mesh], num_workers: int) -> tuple[Mesh, Mesh]:
     return mesh, mesh
 
 
+def _callback_list(callbacks: Any):
+    """Paddle's CallbackList of ``callbacks`` (a list of Callback objects, or a CallbackList)."""
+    from paddle.hapi.callbacks import CallbackList
+
+    return callbacks if isinstance(callbacks, CallbackList) else CallbackList(list(callbacks or []))
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def _same(a: Specs | None, b: Specs | None) -> bool:
     """Whether two (inputs, labels) hold the very same spec lists (cheaper than comparing them)."""
     return a is not None and b is not None and a[0] is b[0] and a[1] is b[1]
 
 
 def _combine(plan: ModePlan, mode: str, results: list) -> Any:
-    """A step's result from the ranks': the loss, or the outputs (predict)."""
+    """A step's result from the ranks': the loss (with eval's metric values), or the outputs (predict)."""
     values = [layout.assemble({r: results[r][i] for r in layout.readers()}) for i, layout in enumerate(plan.layouts)]
     if mode == "predict":
         return values[0] if len(values) == 1 else values
-    return float(np.mean(values[0]))
+    loss = float(np.mean(values[0]))
+    if len(plan.groups) < 2:
+        return loss
+    groups, start = [], 1
+    for size in plan.groups[1:]:
+        groups.append(values[start : start + size])
+        start += size
+    return Evaluated(loss, groups)

@@ -84,8 +84,10 @@ class ModelState:
         checkpoint.commit(staged, path, checkpoint.manifest(meta, files, num_workers=self.client.size, **info))
         self.last_checkpoint = path
 
-    def load(self, path: str, train_built: bool) -> None:
-        tensors = dict(checkpoint.read_manifest(path)["tensors"])
+    def load(self, path: str, train_built: bool) -> dict:
+        """Restore the tensors of the checkpoint at ``path``; its manifest (for what else it keeps)."""
+        manifest = checkpoint.read_manifest(path)
+        tensors = dict(manifest["tensors"])
         meta = self.meta()
         params = self.meta("param")
         missing = sorted(set(params) - set(tensors))
@@ -97,6 +99,7 @@ class ModelState:
         self._pending = (path, tensors)
         self._restore(meta, train_built)
         self.last_checkpoint = path
+        return manifest
 
     def restore_built(self, train_built: bool) -> None:
         """A mode was just built: restore what it brought of a checkpoint being loaded."""

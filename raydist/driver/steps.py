@@ -23,7 +23,7 @@ import numbers
 import operator
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -133,6 +133,16 @@ def _interrupts_deferred():
         signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt("the step was sent first: it runs, and its result stays readable")
+
+
+class Evaluated(NamedTuple):
+    """An eval step with metrics: its loss, and each metric's values (to ``Metric.update``)."""
+
+    loss: float
+    metrics: list[list[np.ndarray]]
+
+    def __float__(self) -> float:
+        return self.loss
 
 
 def _number_op(op):

@@ -11,10 +11,11 @@ import paddle
 
 from .. import pickling
 from ..errors import UsageError
-from ..messages import ArraysStep, StepMessage
+from ..messages import ArraysStep, BuildReport, StepMessage
 from ..specs import TensorSpec
 from ..topology import Mesh, ModePlan
 from .runner import StaticRunner
+from .schedule import RankSchedule
 
 
 class ModelService:
@@ -25,6 +26,7 @@ class ModelService:
         self.world_size = world_size
         self.device = device
         self.runner: StaticRunner | None = None
+        self.schedule: RankSchedule | None = None
         self.collect = False  # whether the driver reads this rank's step results (set per mode)
         self._thread_device = None
         self._starts: collections.deque = collections.deque(maxlen=100_000)
@@ -33,7 +35,7 @@ class ModelService:
     def mode(self) -> str | None:
         return self.runner.mode if self.runner is not None else None
 
-    def build(self, payload: bytes) -> list[Mesh]:
+    def build(self, payload: bytes) -> BuildReport:
         """Build the layer and the optimizer; the meshes of the layer's parameters, in order."""
         build_layer, loss, optimizer_factory, strategy, metrics = pickling.loads(payload)
         layer = build_layer()
@@ -63,7 +65,8 @@ class ModelService:
 
             optimizer = shard_by_strategy(optimizer, strategy, layer.parameters())
         self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
-        return meshes
+        self.schedule = RankSchedule(optimizer)
+        return BuildReport(meshes, self.schedule.report())
 
     def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
         self.runner.set_specs(inputs, labels)
@@ -76,10 +79,13 @@ class ModelService:
         same on all ranks; the driver keeps the ranks and the engine builds
         again with the next specs.
         """
+        built = mode in self.runner.modes
         try:
             plan = self.runner.set_mode(mode)
         except Exception as e:
             raise UsageError(f"the {mode} program cannot be built for these inputs: {type(e).__name__}: {e}") from e
+        if mode == "train" and not built:
+            self.schedule.built(self.runner.engine._pir_dense_main_progs["train"])
         self.collect = self.rank in plan.readers()
         return plan
 
@@ -90,6 +96,10 @@ class ModelService:
             # Steps may run on a thread of Ray's (compiled graphs): Paddle's device is per thread.
             paddle.set_device(self.device)
             self._thread_device = threading.get_ident()
+        if message.lr:
+            self.schedule.apply(message.lr)
+        if self.runner.mode == "train":
+            self.schedule.sync()
         if isinstance(message, ArraysStep):
             # copies: the message's arrays may live in a channel's buffer, which
             # Ray reuses only once nothing refers to them

@@ -70,6 +70,7 @@ class StaticRunner:
         model = dist.to_static(layer, None, loss, optimizer, strategy, input_spec=[[], []])
         if not isinstance(model, dist.DistModel):
             raise ValueError("strategy.full_graph=False makes Paddle return a dygraph model; raydist runs DistModel")
+        model._engine._metrics = list(metrics)  # to_static takes none (compat.engine, defect 7)
         self.model = model
         self.layer = layer
         self.engine = model._engine
@@ -78,6 +79,11 @@ class StaticRunner:
         self._feed: dict[str, list[str]] = {}  # mode -> feed names
         self._plans: dict[str, ModePlan] = {}
         self.specs: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])
+
+    @property
+    def modes(self) -> set[str]:
+        """The modes built so far."""
+        return set(self._plans)
 
     def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
         """The global specs of inputs and labels (labels may come later, before train/eval)."""
@@ -89,14 +95,15 @@ class StaticRunner:
             inputs, labels = self.specs
             self.engine._inputs_spec = [paddle_spec(s, micro) for s in inputs]
             self.engine._labels_spec = [paddle_spec(s, micro) for s in labels]
-            names = compat_engine.build(self.engine, mode, first=not self._plans)
+            groups = compat_engine.build(self.engine, mode, first=not self._plans)
+            names = [name for group in groups for name in group]
             dist_program = self.engine._pir_dist_main_progs[mode]
             values = [dist_program.get_output_value_by_name(n) for n in names]
             fetch_program = compat_engine.fetch_program(self.engine, mode)
             self._fetch[mode] = [fetch_program.get_output_value_by_name(n) for n in names]
             specs = self.engine._inputs_spec + ([] if mode == "predict" else self.engine._labels_spec)
             self._feed[mode] = [s.name for s in specs]
-            self._plans[mode] = ModePlan([layout_of_value(v) for v in values])
+            self._plans[mode] = ModePlan([layout_of_value(v) for v in values], tuple(len(g) for g in groups))
         compat_engine.use_mode(self.engine, mode)
         self.mode = mode
         return self._plans[mode]
