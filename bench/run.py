@@ -3,6 +3,7 @@
     python -m bench [--models mlp-mp2,...] [--runners native,loader,batches,compiled] [--steps 60]
                     [--warmup 10] [--repeat N]
     python -m bench dispatch [--ranks 2,4,8,16] [--steps 300]
+    python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
 
 For each model, the same model, data and ranks under these runners, round-robin:
 - *native*: N plain processes with paddle.distributed.launch's environment,
@@ -16,7 +17,8 @@ Reports the median step time, steps/s, the ratio to native, time to first
 step, peak memory per rank, the share of time ranks wait for data, and
 whether native and raydist's driver batches computed the losses of the same
 model trained in ONE plain process (bench/reference.py). ``dispatch`` measures the
-driver's own cost per step as the group grows (bench/dispatch.py). Tables are
+driver's own cost per step as the group grows (bench/dispatch.py); ``elastic``, what a
+lost or joining node costs (bench/elastic.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
 
@@ -217,7 +219,7 @@ def models_table(args) -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="models", choices=["models", "dispatch"])
+    parser.add_argument("what", nargs="?", default="models", choices=["models", "dispatch", "elastic"])
     parser.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2")
     parser.add_argument("--runners", default="native,loader,batches")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
@@ -232,6 +234,14 @@ def main(argv=None) -> None:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if args.what == "elastic":  # clusters of its own
+        from bench.elastic import elastic_table
+
+        args.steps = args.steps or 24
+        models = args.models if "--models" in " ".join(argv) else "mlp-dp2xmp2,gpt-dp2xmp2"
+        table = elastic_table(models.split(","), args.steps, args.repeat)
+        _write(args, argv, table)
+        return
     ray.init(num_cpus=max(32, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
         if args.what == "dispatch":
@@ -244,6 +254,10 @@ def main(argv=None) -> None:
             table = models_table(args)
     finally:
         ray.shutdown()
+    _write(args, argv, table)
+
+
+def _write(args, argv, table: str) -> None:
     print(table)
     if not args.no_write:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")

@@ -184,11 +184,12 @@ class RankActor(Member):
 
     @ray.method(concurrency_group=ASIDE)
     def status(self) -> dict[str, Any]:
-        """Who and where this rank is, its mode and its peak resident memory (MiB)."""
+        """Who and where (node IP and Ray node id) this rank is, its mode and its peak resident memory (MiB)."""
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         mode = self.model.mode if self.model is not None else None
         return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-                "device": self.device, "mode": mode, "peak_rss_mib": peak}  # fmt: skip
+                "node_id": ray.get_runtime_context().get_node_id(), "device": self.device, "mode": mode,
+                "peak_rss_mib": peak}  # fmt: skip
 
     @ray.method(concurrency_group=ASIDE)
     def take_stats(self) -> dict[str, Any]:

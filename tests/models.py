@@ -55,7 +55,8 @@ class MLP(paddle.nn.Layer):
 
 
 def build(kind: str, **kwargs):
-    """A build_layer for raydist: "one" on 1 rank, "dp" and "mp" on 2, "dpmp" on 4."""
+    """A build_layer for raydist: "one" on 1 rank, "dp" and "mp" on 2, "dpmp" on 4; "elastic":
+    dp x mp2 on any even number of ranks (the mesh made from the world size)."""
 
     def build_layer():
         if kind == "dp":
@@ -66,6 +67,9 @@ def build(kind: str, **kwargs):
             return MLP(dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]), **kwargs)
         if kind == "one":
             return MLP(dist.ProcessMesh([0], dim_names=["mp"]), **kwargs)
+        if kind == "elastic":  # dp x mp2 over whatever world the ranks find
+            ranks = np.arange(dist.get_world_size()).reshape(-1, 2)
+            return MLP(dist.ProcessMesh(ranks.tolist(), dim_names=["dp", "mp"]), **kwargs)
         raise ValueError(kind)
 
     return build_layer
@@ -113,3 +117,32 @@ class Reference:
 
 def assert_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6, what: str = "") -> None:
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol, err_msg=what)
+
+
+class Rows(paddle.io.Dataset):
+    """``n`` rows {"x", "y"} of the MLP's shapes, the same in every process."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.RandomState(seed)
+        self.x, self.y = rng.randn(n, IN).astype("float32"), rng.randn(n, OUT).astype("float32")
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def global_batches(dataset: Rows, batch_size: int, shards: int, epoch: int, shuffle: bool = False, seed: int = 0):
+    """The global batches of one epoch as raydist's loader reads a paddle dataset in ``shards``
+    data shards (Paddle's DistributedBatchSampler, one per shard): shard by shard, in order."""
+    from paddle.io import DistributedBatchSampler
+
+    per_shard = []
+    for s in range(shards):
+        sampler = DistributedBatchSampler(dataset, batch_size=batch_size // shards, num_replicas=shards, rank=s,
+                                          shuffle=shuffle, drop_last=True)  # fmt: skip
+        sampler.set_epoch(epoch + seed)
+        per_shard.append(list(sampler))
+    return [np.concatenate([dataset.x[ids] for ids in step]) for step in zip(*per_shard)], \
+        [np.concatenate([dataset.y[ids] for ids in step]) for step in zip(*per_shard)]

@@ -199,3 +199,17 @@ def test_a_failing_reader_surfaces_as_rank_error_not_a_hang():
             dm.wait()  # the steps run ahead of the loop: the failure shows at the latest here
         assert "reader" in str(info.value) and f"during step {poisoned_step}" in str(info.value)
         assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_one_group_reading_every_shard_reads_the_global_batches_of_all_groups(tagger, shuffle):
+    """An elastic model on fewer data-parallel groups reads the loader's shards joined
+    (raydist.data.sources.JoinedSplit): the rows and order of the full-size run's global batches."""
+    from raydist.data.sources import JoinedSplit
+
+    loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8,
+                                      shuffle=shuffle, seed=2)  # fmt: skip
+    full = epoch_ids(tagger, loader)  # epoch 0, read by two groups
+    joined = JoinedSplit(tuple(loader._source.splits(2, 0, shuffle, 2)))
+    ids = [b["id"].tolist() for chunk in joined.chunks(8, True, ["id"], 3) for b in chunk]
+    assert ids[: len(full)] == full and len(ids) == len(full) + 0  # 8 steps of 8 rows, each group's split equal

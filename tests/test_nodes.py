@@ -8,25 +8,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+from clusters import TESTS, run_driver
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def run_driver(code: str, timeout: float = 240) -> str:
-    """Run ``code`` as ``__main__`` of a fresh driver process; its stdout (it must succeed)."""
-    temp = tempfile.mkdtemp(prefix="rdn", dir="/tmp")  # Ray's socket paths must stay short
-    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS)}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout
-
 
 TWO_NODES = """
     import ray

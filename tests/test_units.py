@@ -1,5 +1,6 @@
 """Pure units: layouts, the rank environment (GPU included), specs. No Ray, no ranks."""
 
+import re
 import subprocess
 import sys
 
@@ -128,3 +129,37 @@ def test_default_data_meshes_follow_pipeline_stages():
     assert stages([first, last]) and not stages([sub, dpmp])
     assert _data_meshes([first, last], 4) == (first, last)  # inputs to the first stage, labels to the last
     assert _data_meshes([], 2)[0] == Mesh.of([0, 1], ["dp"])
+
+
+@pytest.mark.parametrize("bad, says", [
+    ((3, 2), "min 3 > max 2"), (0, "positive int"), ((0, 2), "two positive ints"), ((1, 2, 3), "two positive"),
+    ((3, 3.5), "two positive ints"), ((1, 2), "largest size: the loader's mesh has 4 ranks"),
+    ((3, 4), None),  # accepted: 4 only
+])
+def test_bad_num_workers_are_refused_at_the_driver(bad, says):
+    """No actor starts: sizes are checked against the loader's mesh at the largest size."""
+    from raydist.driver.elastic import sizes_of
+
+    class Loader:  # what sizes_of reads of a shard_dataloader made on a dp2 x mp2 mesh
+        meshes = [Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])]
+        dp = 2
+
+    if says is None:
+        assert sizes_of(bad, Loader()).accepted == (4,)
+        return
+    with pytest.raises(ValueError, match=re.escape(says)):
+        sizes_of(bad, Loader())
+
+
+def test_elastic_sizes_split_the_loaders_shards_evenly():
+    from raydist.driver.elastic import sizes_of
+
+    class Loader:  # dp4 x mp2 at the largest size: 8 ranks, 4 shards
+        meshes = [Mesh.of(np.arange(8).reshape(4, 2), ["dp", "mp"])]
+        dp = 4
+
+    assert sizes_of((2, 8), Loader()).accepted == (2, 4, 8)  # 3 groups would split 4 shards unevenly
+    assert sizes_of((2, 8), None).accepted == tuple(range(2, 9))  # driver batches: any size
+    assert sizes_of((2, 8), Loader()).fitting(7) == 4 and sizes_of((2, 8), Loader()).fitting(1) == 2
+    assert sizes_of((2, 8), Loader()).larger(2, 2) == 4 and sizes_of((2, 8), Loader()).larger(4, 3) is None
+    assert sizes_of((3, 8), Loader()).accepted == (4, 8) and not sizes_of((5, 8), Loader()).elastic

@@ -34,7 +34,7 @@ from ..messages import ReadOrder
 from ..protocol import RankActor
 from ..specs import TensorSpec
 from ..topology import Mesh, data_layout
-from .sources import Field, source_of
+from .sources import Field, JoinedSplit, source_of
 
 if TYPE_CHECKING:
     from ..driver.client import RankClient
@@ -118,6 +118,7 @@ class ShardDataloader:
         self._rows: int | None = None
         self._specs_by_key: dict | None = None
         self._client: RankClient | None = None  # the ranks that read (set by the DistModel)
+        self._view = _View(self.meshes, self.shard_dims)  # the meshes of the ranks that read
         self._epoch: _Epoch | None = None
         self._epochs = itertools.count()
 
@@ -174,19 +175,33 @@ class ShardDataloader:
 
     def specs(self) -> list[TensorSpec]:
         """The global spec of each key: the last goes to the last mesh (labels), the rest to the first."""
-        out = []
+        view, out = self._view, []
         for i, f in enumerate(self.fields):
             mesh_index = -1 if (i == len(self.fields) - 1 and len(self.fields) > 1) else 0
-            layout = data_layout(self.meshes[mesh_index], self.shard_dims[mesh_index], 1 + len(f.shape))
+            layout = data_layout(view.meshes[mesh_index], view.shard_dims[mesh_index], 1 + len(f.shape))
             out.append(TensorSpec(str(f.key), (self.batch_size, *f.shape), str(f.dtype), layout))
         return out
 
-    def bind(self, client: "RankClient") -> None:
-        """Read with ``client``'s ranks from now on (a DistModel binds its loader)."""
+    def bind(self, client: "RankClient", meshes: Sequence[Mesh] | None = None) -> None:
+        """Read with ``client``'s ranks from now on (a DistModel binds its loader).
+
+        ``meshes``: the model's (inputs', labels') meshes. An elastic model running on
+        fewer ranks than the loader's mesh holds reads through them: each of its
+        data-parallel groups reads several of the loader's shards (`JoinedSplit`).
+        """
         if self._client is not client:
             if self._epoch is not None and self._epoch.opened:
                 self._epoch = None  # its readers were the other group's ranks
             self._client = client
+            own = meshes is None or len(meshes[0].process_ids) == len(self.meshes[0].process_ids)
+            view = _View(self.meshes, self.shard_dims) if own else _View(list(meshes), [self.shard_dims[0],
+                                                                                        self.shard_dims[-1]])
+            if self.dp % view.groups:
+                raise ValueError(
+                    f"the loader's {self.dp} data shards do not split evenly over the model's {view.groups} "
+                    "data-parallel groups"
+                )
+            self._view, self._specs_by_key = view, None
 
     def take(self, handle: Handle) -> None:
         """A DistModel call consumes the batch ``handle`` stands for (the epoch's next)."""
@@ -198,8 +213,8 @@ class ShardDataloader:
         epoch.take(handle.step)
 
     def readers(self) -> list[int]:
-        """One rank per data-parallel group: the group's first rank in the first mesh."""
-        return self.layout.readers()
+        """One rank per data-parallel group of the reading ranks: the group's first rank in the first mesh."""
+        return self._view.layout.readers()
 
     def members(self, group: int, world_size: int) -> list[int]:
         """The ranks that read group ``group``'s batches."""
@@ -207,11 +222,26 @@ class ShardDataloader:
 
     def reader_of(self, rank: int) -> int:
         """Index (into `readers`) of the group whose batches ``rank`` reads."""
-        for mesh, dim in zip(self.meshes, self.shard_dims):
+        for mesh, dim in zip(self._view.meshes, self._view.shard_dims):
             if rank in mesh:
                 layout = data_layout(mesh, dim, 1)
                 return list(layout.holders()).index(layout.key(rank))
         return 0  # a rank outside every mesh reads nothing; give it group 0's batch
+
+
+@dataclasses.dataclass
+class _View:
+    """The meshes of the ranks reading a loader, and their data-parallel groups."""
+
+    meshes: list[Mesh]
+    shard_dims: list[str | None]
+
+    def __post_init__(self):
+        for mesh, dim in zip(self.meshes, self.shard_dims):
+            if dim is not None and dim not in mesh.dim_names:
+                raise ValueError(f"the model's mesh {list(mesh.dim_names)} has no dim {dim!r} to split the data along")
+        self.layout = data_layout(self.meshes[0], self.shard_dims[0], 1)
+        self.groups = len(self.layout.holders())
 
 
 class _Epoch:
@@ -254,11 +284,16 @@ class _Epoch:
 
     def _open(self) -> None:
         loader, client = self.loader, self.loader._client
-        splits = loader._source.splits(loader.dp, self.number, loader.shuffle, loader.seed)
+        shards = loader._source.splits(loader.dp, self.number, loader.shuffle, loader.seed)
+        readers = loader.readers()
+        per_group = len(shards) // len(readers)  # more than one for an elastic model below its largest size
         keys = tuple(f.key for f in loader.fields)
-        for g, (reader, split) in enumerate(zip(loader.readers(), splits)):
-            order = ReadOrder(loader._id, self.number, self.start, self.steps, split, loader.local_batch_size,
-                              loader.drop_last, keys, loader.prefetch, loader.chunk())  # fmt: skip
+        for g, reader in enumerate(readers):
+            mine = shards[g * per_group : (g + 1) * per_group]
+            split = mine[0] if per_group == 1 else JoinedSplit(tuple(mine))
+            order = ReadOrder(loader._id, self.number, self.start, self.steps, split,
+                              loader.local_batch_size * per_group, loader.drop_last, keys, loader.prefetch,
+                              loader.chunk())  # fmt: skip
             members = [None if r == reader else client.actor(r) for r in loader.members(g, client.size)]
             client.tell(reader, RankActor.data_open, order, members)
         self.opened = True

@@ -9,7 +9,10 @@ imported only where a paddle dataset is read.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,6 +143,57 @@ class PaddleSplit:
         for indices in sampler:
             batch = default_collate_fn([_as_row(dataset[i]) for i in indices])  # numpy in, numpy out
             yield {k: np.asarray(batch[k]) for k in keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinedSplit:
+    """Several shards' splits read as one group's: local batch k is the concatenation of
+    every shard's batch k, in shard order (an elastic model on fewer data-parallel groups
+    than the loader has shards reads exactly the rows of the full-size run)."""
+
+    parts: tuple
+
+    def chunks(self, batch_size: int, drop_last: bool, keys: list, chunk: int) -> Iterator[list[dict]]:
+        per_part = batch_size // len(self.parts)
+        # Each part is read in a thread of its own: a Ray Data streaming split starts its
+        # epoch only when every split of the dataset has asked for it (a barrier).
+        streams = [_in_thread(_batches_of(p.chunks(per_part, drop_last, keys, chunk))) for p in self.parts]
+        batches = ({k: np.concatenate([b[k] for b in group]) for k in keys} for group in zip(*streams))
+        while group := list(itertools.islice(batches, chunk)):
+            yield group
+
+
+def _batches_of(chunks: Iterator[list[dict]]) -> Iterator[dict]:
+    for group in chunks:
+        yield from group
+
+
+def _in_thread(items: Iterator, ahead: int = 2) -> Iterator:
+    """``items``, produced by a daemon thread (started now) up to ``ahead`` in advance;
+    its exception re-raised to the consumer."""
+    out: queue.Queue = queue.Queue(maxsize=ahead)
+    end = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                out.put((item, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            out.put((end, e))
+            return
+        out.put((end, None))
+
+    def consume() -> Iterator:
+        while True:
+            item, error = out.get()
+            if item is end:
+                if error is not None:
+                    raise error
+                return
+            yield item
+
+    threading.Thread(target=produce, name="raydist-shard", daemon=True).start()
+    return consume()
 
 
 def source_of(dataset) -> RaySource | PaddleSource:

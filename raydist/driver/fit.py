@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import logging
 import posixpath
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
     from .model import DistModel
 
 log = logging.getLogger("raydist")
+
+# How often fit asks whether an elastic model below its largest size has room to grow.
+GROW_CHECK_S = 2.0
 
 
 def fit(
@@ -76,6 +80,8 @@ def fit(
             try:
                 run.go()
                 break
+            except _Regrouped:
+                continue
             except RankError as e:
                 failures += 1
                 if failures > max_failures:
@@ -85,6 +91,10 @@ def fit(
                 run.rewind()
         run.callbacks.on_end("train", run.logs)
     return run.history
+
+
+class _Regrouped(Exception):
+    """The model moved to a larger group; the run goes on from `_Run.position`."""
 
 
 @dataclasses.dataclass
@@ -102,6 +112,9 @@ class _Run:
         self.eval_loader, self.eval_every = eval_loader, eval_every
         self.history: list[float] = []
         self.resume = (0, 0, 0)  # (epoch, step, steps done) where the latest checkpoint stands
+        self.position = (0, 0)  # (epoch, step) to go on from
+        self.begun = -1  # the last epoch whose on_epoch_begin was called
+        self.grow_checked = time.monotonic()
         self.bar = None
         self.callbacks = None
         self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
@@ -109,13 +122,16 @@ class _Run:
         self.logs: dict[str, Any] = {}
 
     def go(self) -> None:
-        epoch0, step0, _ = self.resume
+        epoch0, step0 = self.position
         pending: collections.deque[_Sent] = collections.deque()
         for epoch in range(epoch0, self.epochs):
             first = step0 if epoch == epoch0 else 0
-            if first == 0:
+            if self.begun < epoch:
+                self.begun = epoch
                 self.callbacks.on_epoch_begin(epoch, {})
             for step, batch in enumerate(self.loader.epoch(epoch, first), first):
+                if step > first:
+                    self._grow(pending, epoch, step)
                 self.callbacks.on_batch_begin("train", step, {})
                 lr = self.dm._learning_rate_now()
                 pending.append(_Sent(self.dm(*(batch.values() if isinstance(batch, dict) else batch)), epoch, step, lr))
@@ -139,6 +155,21 @@ class _Run:
             self._end_epoch(epoch)
             if self.stop_training:
                 return
+
+    def _grow(self, pending: collections.deque, epoch: int, step: int) -> None:
+        """Every GROW_CHECK_S, at a step boundary: move an elastic model to a larger group
+        if the cluster has room for one now, and go on from ``step``."""
+        if time.monotonic() - self.grow_checked < GROW_CHECK_S:
+            return
+        self.grow_checked = time.monotonic()
+        size = self.dm._can_grow()
+        if size is None:
+            return
+        self._collect(pending, wait=True)
+        log.warning("raydist: room for %d ranks; growing from %d at step %d", size, self.dm.num_workers, len(self.history))
+        self.dm._resize(size)
+        self.position = (epoch, step)
+        raise _Regrouped
 
     def _end_epoch(self, epoch: int) -> None:
         if self.eval_loader is not None and self.eval_every is None:
@@ -167,6 +198,7 @@ class _Run:
 
     def rewind(self) -> None:
         """Back to the latest checkpoint (the restart restored its state)."""
+        self.position = self.resume[:2]
         done = self.resume[2]
         del self.history[done:]
         self.bar.n = done

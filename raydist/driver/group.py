@@ -99,6 +99,7 @@ class RankGroup:
         self._pg = None
         self._owns_pg = False
         self._bundles: list[int] = []
+        self.nodes: list[str] = []  # each rank's Ray node id
         self._alive = False
         self._on_shutdown: list = []
         self._start()
@@ -155,6 +156,7 @@ class RankGroup:
         bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
         here = ray.get_runtime_context().get_node_id()
         order = sorted(self._bundles, key=lambda b: (bundle_nodes[b] != here, bundle_nodes[b], b))
+        self.nodes = [bundle_nodes[b] for b in order]
         prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
         res = cfg.bundle()
         self.actors = [
@@ -290,6 +292,13 @@ class RankGroup:
         if actor_id is not None:
             return next((r for r, a in enumerate(self.actors) if a._actor_id.hex() == actor_id), -1)
         return -1
+
+    def live_bundles(self) -> int:
+        """How many of this group's own bundles are on nodes still alive (room it frees when it goes)."""
+        if not self._owns_pg:
+            return 0
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return sum(node in alive for node in self.nodes)
 
     # -- teardown --------------------------------------------------------------
 

@@ -38,10 +38,15 @@ class InputSpecs:
         self.label_mesh: Mesh | None = None
 
     def place(self, mesh: Mesh, label_mesh: Mesh) -> None:
-        """The meshes batches lie on by default (known once the layer is built); lays out the specs."""
+        """The meshes batches lie on by default (known once the layer is built); lays out the specs.
+
+        Specs laid on a mesh of another size (an elastic model's group changed size,
+        or its loader was made at the largest size) move to the new mesh, split
+        along the same mesh dim.
+        """
         self.mesh, self.label_mesh = mesh, label_mesh
-        self.inputs = self._laid(self.inputs, mesh)
-        self.labels = self._laid(self.labels, label_mesh)
+        self.inputs = self._laid(_moved(self.inputs, mesh), mesh)
+        self.labels = self._laid(_moved(self.labels, label_mesh), label_mesh)
 
     def known(self, mode: str) -> bool:
         """Whether ``mode``'s program can be built without a batch."""
@@ -115,6 +120,23 @@ def to_array(a: Any) -> np.ndarray:
 
 def array_specs(arrays: list[np.ndarray]) -> list[TensorSpec]:
     return [spec_of(a, f"#{i}") for i, a in enumerate(arrays)]
+
+
+def _moved(specs: list[TensorSpec] | None, mesh: Mesh) -> list[TensorSpec] | None:
+    """``specs`` with the data layouts of a mesh of another size laid on ``mesh`` instead."""
+    if specs is None:
+        return None
+    out = []
+    for s in specs:
+        layout = s.layout
+        if layout is not None and len(layout.mesh.process_ids) != len(mesh.process_ids):
+            first = layout.dims_mapping[0] if layout.dims_mapping else -1
+            dim = layout.mesh.dim_names[first] if first >= 0 else None
+            if any(m >= 0 for m in layout.dims_mapping[1:]) or (dim is not None and dim not in mesh.dim_names):
+                raise ValueError(f"{s.name!r} is laid out as {layout}, which a mesh of {mesh.shape} cannot hold")
+            s = dataclasses.replace(s, layout=data_layout(mesh, dim, len(s.shape)))
+        out.append(s)
+    return out
 
 
 def _named(spec: TensorSpec, name: str) -> TensorSpec:

@@ -8,6 +8,7 @@ through one `raydist.driver.client.RankClient`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -26,8 +27,10 @@ from ..strategy import check_meshes, micro_batches
 from ..topology import Mesh, ModePlan, stages
 from .client import RankClient
 from .connect import init_ray
+from .elastic import Sizes, size_now, sizes_of
 from .group import GroupConfig, RankGroup
 from .inputs import InputSpecs, Specs, array_specs, leaves, to_array
+from .placement import placeable_now
 from .state import ModelState
 from .steps import Evaluated, Loss
 
@@ -63,6 +66,12 @@ class DistModel:
             or ``DistributedInputSpec`` with GLOBAL shapes; None infers them from
             the first batch.
         num_workers: number of ranks; default: the processes of ``input_spec``'s mesh.
+            ``(min, max)``: an elastic model (see `raydist.driver.elastic`): it starts
+            at the largest accepted size the cluster holds now, ``fit`` goes on at a
+            smaller size when a node is lost and grows when room returns, and
+            ``restart()`` comes back at the size that fits. The layer builder makes
+            its mesh from ``dist.get_world_size()``; a loader is made with the mesh
+            of size ``max``, and the global batch is the same at every size.
         use_gpu: one GPU per rank and NCCL (otherwise CPU and gloo).
         shard_dims: the mesh dim along which batches are split across ranks
             (data parallel). The default "dp" splits along the mesh dim named
@@ -95,7 +104,7 @@ class DistModel:
         metrics: Sequence[Any] | None = None,
         input_spec: Sequence[Sequence[Any]] | None = None,
         *,
-        num_workers: int | None = None,
+        num_workers: int | tuple[int, int] | None = None,
         use_gpu: bool = False,
         shard_dims: str | None = "dp",
         resources_per_rank: dict[str, float] | None = None,
@@ -115,7 +124,8 @@ class DistModel:
         if inputs is None and loader is not None:  # as Paddle: the last column is the label
             specs = loader.specs()
             inputs, labels = (specs[:-1], specs[-1:]) if len(specs) > 1 else (specs, None)
-        num_workers = _num_workers(num_workers, (inputs or []) + (labels or []))
+        self._sizes = _num_workers(num_workers, (inputs or []) + (labels or []), loader)
+        num_workers = self._sizes.max
         self._payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
                                        "the layer builder, loss, optimizer or strategy")  # fmt: skip
         self._specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES})
@@ -131,12 +141,16 @@ class DistModel:
         self._lr_scheduler: RankScheduler | None = None
         self._start(first_step=0)
         if loader is not None:
-            loader.bind(self._client)
+            loader.bind(self._client, self._data_meshes)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
 
-    def _start(self, first_step: int) -> None:
-        """A new group of ranks with the model built on it."""
+    def _start(self, first_step: int, size: int | None = None, freed: int = 0) -> None:
+        """A new group of ranks with the model built on it: of ``size`` ranks, or the largest
+        accepted size the cluster holds now (``freed``: ranks a group just let go of)."""
+        if size is None:
+            size = size_now(self._sizes, self._config.bundle(), freed)
+        self._config = dataclasses.replace(self._config, num_workers=size)
         group = RankGroup(self._config)
         self._client = RankClient(group, max_in_flight=self._max_in_flight, compiled=self._compiled,
                                   step_timeout=self._config.step_timeout_s, first_step=first_step)  # fmt: skip
@@ -147,7 +161,8 @@ class DistModel:
         except BaseException:
             self._client.close()
             raise
-        self._specs.place(*_data_meshes(report.meshes, self._config.num_workers))
+        self._data_meshes = _data_meshes(report.meshes, size)
+        self._specs.place(*self._data_meshes)
         self._start_learning_rate(report.learning_rate)
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._rank_specs: Specs | None = None  # the specs the ranks have
@@ -200,15 +215,46 @@ class DistModel:
 
         The last checkpoint is the one this model saved or loaded last; with
         none, the model starts from its initial parameters again. Steps in
-        flight are dropped; step numbers go on from where they were.
+        flight are dropped; step numbers go on from where they were. An elastic
+        model comes back at the largest accepted size the cluster holds now
+        (waiting, up to ``placement_timeout_s``, for its minimum).
         """
         first_step = self._client.window.submitted
+        freed = self._client.group.live_bundles()
         self._finalizer()
-        self._start(first_step)
+        self._start(first_step, freed=freed)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
         if self._state.last_checkpoint is not None:
             self.load(self._state.last_checkpoint)
+
+    def _can_grow(self) -> int | None:
+        """A larger accepted size that the cluster has room for now, if any (elastic models)."""
+        if not self._sizes.elastic or self.num_workers >= self._sizes.max:
+            return None
+        return self._sizes.larger(self.num_workers, placeable_now(self._config.bundle()))
+
+    def _resize(self, size: int) -> None:
+        """Move to a group of ``size`` ranks, the state handed over from the live ranks.
+
+        The state travels through Ray's object store (the ranks' pieces, assembled
+        at the driver, then put once for every new rank); no checkpoint is written.
+        """
+        state = self.state_dict("all" if "train" in self._plans else "param")
+        schedule = self._lr_scheduler.state_dict() if self._lr_scheduler is not None else None
+        rate = self._learning_rate
+        first_step = self._client.window.submitted
+        freed = self._client.group.live_bundles()
+        self._finalizer.detach()
+        self._client.close(drain=True)
+        self._start(first_step, size=size, freed=freed)
+        if self._specs.known(self._mode):
+            self._enter(self._mode, self._specs.current())
+        self._state.set_state_dict(state)
+        if schedule is not None:
+            self._lr_scheduler.set_state_dict(schedule)
+        elif rate is not None and rate != self._learning_rate:
+            self._set_learning_rate(rate)
 
     # -- modes -----------------------------------------------------------------
 
@@ -285,9 +331,9 @@ class DistModel:
         if any((h.loader, h.epoch, h.step) != (first.loader, first.epoch, first.step) for h in handles):
             raise ValueError("the handles of one call must come from the same batch of one loader")
         loader = first.loader
+        loader.bind(self._client, self._data_meshes)
         by_key = loader.specs_by_key()
         specs = self._specs.for_call([by_key[h.key] for h in handles], mode)
-        loader.bind(self._client)
         self._enter(mode, specs)
         loader.take(first)
         return LoaderStep(loader._id, first.epoch, first.step, tuple(h.key for h in handles), self._take_lr_changes())
@@ -470,6 +516,7 @@ class DistModel:
 
     @property
     def num_workers(self) -> int:
+        """The number of ranks now (an elastic model's changes with the cluster)."""
         return self._client.size
 
     def shutdown(self) -> None:
@@ -544,19 +591,18 @@ def _check_arguments(layer, loader, loss, optimizer, strategy, metrics, max_in_f
         raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
 
 
-def _num_workers(num_workers: int | None, specs: list) -> int:
+def _num_workers(num_workers: int | tuple[int, int] | None, specs: list, loader: Any) -> Sizes:
     spec_ranks = {i for s in specs if s.layout is not None for i in s.layout.mesh.process_ids}
     if num_workers is None:
         if not spec_ranks:
             raise ValueError("num_workers is required unless input_spec gives the mesh")
-        return max(spec_ranks) + 1
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-    if spec_ranks and max(spec_ranks) >= num_workers:
+        return Sizes((max(spec_ranks) + 1,))
+    sizes = sizes_of(num_workers, loader)
+    if spec_ranks and max(spec_ranks) >= sizes.max:
         raise ValueError(
             f"input_spec's mesh uses processes up to {max(spec_ranks)}, but num_workers={num_workers}"
         )
-    return num_workers
+    return sizes
 
 
 def _data_meshes(meshes: list[Mesh], num_workers: int) -> tuple[Mesh, Mesh]:

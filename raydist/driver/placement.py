@@ -91,12 +91,23 @@ def _may_scale(bundle: dict[str, float], count: int) -> bool:
     return not types or any(kind != f"node_{node}" for node, kind in types.items())
 
 
+def placeable_now(bundle: dict[str, float]) -> int:
+    """How many more bundles the alive nodes could place now, from what they have free."""
+    from ray._private.state import available_resources_per_node
+
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return sum(_count(free, bundle) for node, free in available_resources_per_node().items() if node in alive)
+
+
+def _count(have: dict[str, float], bundle: dict[str, float]) -> int:
+    return int(min((have.get(k, 0.0) // v if v else float("inf")) for k, v in bundle.items()))
+
+
 def _placeable(bundle: dict[str, float]) -> int:
     """How many bundles the cluster's nodes could hold in total (ignoring what is in use)."""
     total = 0
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
-        have = node.get("Resources", {})
-        total += int(min((have.get(k, 0.0) // v if v else float("inf")) for k, v in bundle.items()))
+        total += _count(node.get("Resources", {}), bundle)
     return total

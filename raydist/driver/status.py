@@ -17,6 +17,7 @@ class RankStatus:
     group: str  # the actors' name prefix (``name=`` of to_static, or raydist-<id>)
     rank: int
     node_ip: str
+    node_id: str  # Ray's node id (several nodes may share an IP, e.g. ray.cluster_utils.Cluster)
     pid: int
     device: str  # "cpu" or "gpu:<index>"
     mode: str | None  # "train", "eval", "predict", or None before the first mode is built

@@ -1,0 +1,109 @@
+"""Lost and joining nodes: how long training stops, and how many steps it loses.
+
+    python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24] [--repeat N]
+
+On a ``ray.cluster_utils.Cluster`` of real raylets on this machine (a 1-CPU head
+and two worker nodes of 2 CPUs, with a "rank" resource only worker nodes have), each
+model trains with ``fit`` (a checkpoint every 4 steps) and loses a worker node after
+step 6. Two runs, round-robin:
+
+- *elastic*: ``num_workers=(2, 4)``: it goes on at 2 ranks from the last checkpoint;
+  the node comes back after step 14 and the model grows to 4 at a step boundary,
+  the state moved from the live ranks;
+- *fixed*: ``num_workers=4``: a replacement node joins right after the loss, and
+  the model restarts at 4 ranks from the last checkpoint.
+
+Reports the time from the node loss to the next completed step, from the node's
+join to the first step at 4 ranks, the steps lost per loss (steps run again), and
+whether the final parameters equal those of a run that lost nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+LOSE_AFTER, JOIN_AFTER, CHECKPOINT_EVERY = 6, 14, 4
+
+
+def _run(name: str, steps: int, elastic: bool, chaos: bool) -> dict:
+    import paddle
+    import paddle.distributed as dist
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import raydist
+    from bench import models
+    from bench.run import RANK_ENV
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [cluster.add_node(num_cpus=2, resources={"rank": 2}) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        b, kind = models.batch_size(name), models.MODELS[name][0]
+        ds = ray.data.range(steps * b).map_batches(lambda x: models.rows(kind, x["id"]), runtime_env=RANK_ENV)
+        loader = raydist.shard_dataloader(ds.materialize(), models.mesh(name), input_keys=["x", "y"],
+                                          shard_dims="dp", batch_size=b)  # fmt: skip
+
+        def build():
+            ranks = np.arange(dist.get_world_size()).reshape(-1, 2).tolist()
+            return models.build_layer(name, on=dist.ProcessMesh(ranks, dim_names=["dp", "mp"]))
+
+        dm = raydist.to_static(build, loader, models.loss(name), lambda p: paddle.optimizer.AdamW(1e-3, parameters=p),
+                               num_workers=(2, 4) if elastic else 4, runtime_env=RANK_ENV,
+                               resources_per_rank={"CPU": 1, "rank": 1})  # fmt: skip
+        ends: list[tuple[float, int]] = []  # (time, size) of every completed step, replays included
+        events: dict[str, float] = {}
+
+        class Chaos(paddle.callbacks.Callback):
+            def on_train_batch_end(self, step, logs=None):
+                ends.append((time.monotonic(), dm.num_workers))
+                if not chaos:
+                    return
+                if len(ends) == LOSE_AFTER and "lost" not in events:
+                    cluster.remove_node(nodes[1])
+                    events["lost"] = time.monotonic()
+                    if not elastic:  # a replacement comes at once: the fixed-size run needs it
+                        cluster.add_node(num_cpus=2, resources={"rank": 2})
+                        events["joined"] = time.monotonic()
+                if elastic and len(ends) == JOIN_AFTER and "joined" not in events:
+                    cluster.add_node(num_cpus=2, resources={"rank": 2})
+                    events["joined"] = time.monotonic()
+
+        losses = dm.fit(loader, epochs=1, checkpoint_every=CHECKPOINT_EVERY, checkpoint_dir=tempfile.mkdtemp() + "/c",
+                        max_failures=1, progress=False, callbacks=[Chaos()])  # fmt: skip
+        params = dm.state_dict("param")
+        dm.shutdown()
+        out = {"params": params, "losses": losses, "lost_steps": len(ends) - len(losses)}
+        if chaos:
+            out["loss_to_step"] = next(t for t, _ in ends if t > events["lost"]) - events["lost"]
+            out["join_to_larger"] = next(t for t, n in ends if t > events["joined"] and n == 4) - events["joined"]
+        return out
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def elastic_table(names: list[str], steps: int, repeat: int) -> str:
+    rows = []
+    for name in names:
+        undisturbed = _run(name, steps, elastic=True, chaos=False)
+        runs: dict[str, list[dict]] = {"elastic": [], "fixed": []}
+        for _ in range(repeat):
+            for kind in runs:
+                runs[kind].append(_run(name, steps, elastic=kind == "elastic", chaos=True))
+        for kind, done in runs.items():
+            same = all(np.allclose(r["params"][k], v, rtol=1e-5, atol=1e-6)
+                       for r in done for k, v in undisturbed["params"].items())  # fmt: skip
+            label = "elastic (2, 4): shrink, then grow" if kind == "elastic" else "fixed 4: restart on a new node"
+            join = statistics.median(r["join_to_larger"] for r in done)
+            rows.append(f"| {name} | {label} | {statistics.median(r['loss_to_step'] for r in done):.1f} "
+                        f"| {join:.1f} | {statistics.median(r['lost_steps'] for r in done):.0f} "
+                        f"| {'yes' if same else 'NO'} |")  # fmt: skip
+            print(rows[-1], flush=True)
+    header = ("| model | run | node loss to next step (s) | node join to a step at 4 ranks (s) "
+              "| steps lost per loss | parameters equal an undisturbed run |")
+    return "\n".join([header, "|---|---|---:|---:|---:|---|", *rows])

@@ -1,0 +1,150 @@
+"""Clusters of several nodes on this one machine, for the tests: each driver in a process of its own.
+
+- `run_driver`: a driver script in a fresh process with a private Ray temp dir,
+  so the clusters it starts (``ray.cluster_utils.Cluster``) never meet the test
+  session's Ray; it must stop what it starts.
+- `AutoscalingHead`: a ``ray start --head`` with Ray's autoscaler on its fake
+  multi-node provider, which starts real raylets when a placement group cannot
+  be placed. Not ``ray.cluster_utils.AutoscalingCluster``: its ``start()`` runs
+  ``ray stop --force`` (every Ray on the machine), and the 2.60 wheel lacks the
+  example.yaml it reads. Stopped by the PIDs it started, never by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+TESTS = Path(__file__).resolve().parent
+
+
+def run_driver(code: str, timeout: float = 240, env: dict | None = None) -> str:
+    """Run ``code`` as ``__main__`` of a fresh driver process; its stdout (it must succeed)."""
+    temp = tempfile.mkdtemp(prefix="rdn", dir="/tmp")  # Ray's socket paths must stay short
+    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS), **(env or {})}
+    if "RAY_ADDRESS" not in (env or {}) or not env["RAY_ADDRESS"]:
+        env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return done.stdout
+
+
+# Real raylets: a 1-CPU head the driver runs on, and worker nodes with a "rank" resource
+# only they have, so ranks live on them and a removed node takes its ranks away.
+CLUSTER = """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [cluster.add_node(num_cpus=2, resources={"rank": 2}) for _ in range(NODES)]
+    ray.init(address=cluster.address, log_to_driver=False)
+"""
+
+
+def cluster(nodes: int) -> str:
+    """Driver code that starts a `Cluster` of ``nodes`` worker nodes (``cluster``, ``nodes``)."""
+    return CLUSTER.replace("NODES", str(nodes))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AutoscalingHead:
+    """A head with Ray's autoscaler on the fake multi-node provider; worker nodes of
+    ``{"CPU": 2, "rank": 2}`` come (up to ``max_nodes``) when something cannot be placed."""
+
+    def __init__(self, max_nodes: int = 2):
+        self.temp = tempfile.mkdtemp(prefix="rda", dir="/tmp")
+        self.port = _free_port()
+        self.address = f"{self._ip()}:{self.port}"
+        config = {
+            "cluster_name": "raydist-fake",
+            "max_workers": max_nodes,
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": 1.0,
+            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                         "disable_launch_config_check": True, "gcs_address": self.address},  # fmt: skip
+            "auth": {"ssh_user": "ubuntu"},
+            "available_node_types": {
+                "ray.head.default": {"resources": {"CPU": 2}, "node_config": {}, "max_workers": 0},
+                "ray.worker.rank": {"resources": {"CPU": 2, "rank": 2}, "node_config": {}, "min_workers": 0,
+                                    "max_workers": max_nodes},  # fmt: skip
+            },
+            "head_node_type": "ray.head.default",
+            "docker": {}, "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+            "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [], "setup_commands": [],
+            "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
+        }  # fmt: skip
+        self.config = Path(self.temp) / "autoscaling.json"
+        self.config.write_text(json.dumps(config))
+        self.env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+                    "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self.temp}  # fmt: skip
+        self.env.pop("RAY_ADDRESS", None)
+
+    @staticmethod
+    def _ip() -> str:
+        from ray.util import get_node_ip_address
+
+        return get_node_ip_address()
+
+    def __enter__(self) -> "AutoscalingHead":
+        subprocess.run(["ray", "start", "--head", f"--autoscaling-config={self.config}", "--num-cpus=2",
+                        f"--port={self.port}", f"--temp-dir={self.temp}", "--include-dashboard=false",
+                        "--disable-usage-stats"], env=self.env, check=True, capture_output=True,
+                       timeout=120)  # fmt: skip
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop every process this head started: those naming its temp dir, and their children."""
+        mine = set()
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.temp in part for part in p.info["cmdline"] or []):
+                    mine.add(p)
+                    mine.update(p.children(recursive=True))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        for p in mine:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(list(mine), timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+
+    def nodes(self) -> int:
+        """Alive worker nodes (from a `ray status` of this head)."""
+        out = subprocess.run(["ray", "status", f"--address={self.address}"], env=self.env, capture_output=True,
+                             text=True, timeout=60).stdout  # fmt: skip
+        return out.count("ray.worker.rank")
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.5)

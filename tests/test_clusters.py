@@ -1,0 +1,177 @@
+"""Clusters that change: ranks across nodes, the autoscaler's new nodes, lost nodes, elastic size.
+
+Every test drives real raylets on this machine (``ray.cluster_utils.Cluster`` or
+Ray's autoscaler on its fake multi-node provider) from a driver process of its
+own (`clusters.run_driver`), and holds the numbers to one plain process.
+"""
+
+import re
+
+import pytest
+
+from clusters import AutoscalingHead, cluster, run_driver
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_ranks_wait_for_the_autoscaler_then_train():
+    """No worker node at the start: to_static waits while the autoscaler adds two, then trains."""
+    with AutoscalingHead(max_nodes=2) as head:
+        out = run_driver("""
+        import logging, time
+        import ray, paddle, paddle.distributed as dist
+        import raydist
+        from models import Reference, assert_close, batches, build, sgd
+
+        logging.basicConfig(level=logging.WARNING)
+        ray.init(log_to_driver=False)
+        start = time.monotonic()
+        dm = raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4,
+                               resources_per_rank={"CPU": 1, "rank": 1})
+        waited = time.monotonic() - start
+        ref = Reference(sgd())
+        for x, y in batches(3):
+            assert_close(dm(x, y), ref.train(x, y))
+        print(f"nodes {len({s.node_id for s in raydist.status()})} waited {waited:.1f} s "
+              f"trained {time.monotonic() - start:.1f} s")
+        dm.shutdown()
+        ray.shutdown()
+        """, env={"RAY_ADDRESS": head.address})
+    print(out)
+    assert re.search(r"nodes 2 waited [\d.]+ s", out)
+
+
+def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_and_ends_as_one_process():
+    """dp x mp2, num_workers=(2, 4) over two 2-CPU nodes: one node lost mid-epoch, another joins
+    later. Every step's loss and the final parameters equal one plain process."""
+    out = run_driver(cluster(2) + """
+    import logging, tempfile, time
+    import numpy as np, paddle, paddle.distributed as dist
+    import raydist
+    from models import Reference, Rows, assert_close, build, global_batches, sgd
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        rows = Rows(64)
+        loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
+                                          shard_dims="dp", batch_size=8, shuffle=True, seed=3)
+        dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), sgd(), num_workers=(2, 4),
+                               resources_per_rank={"CPU": 1, "rank": 1})
+        placed = raydist.status()
+        assert dm.num_workers == 4 and len({s.node_id for s in placed}) == 2, placed
+        events, sizes = {}, []
+
+        class Chaos(paddle.callbacks.Callback):
+            def on_train_batch_end(self, step, logs=None):
+                sizes.append(dm.num_workers)
+                if len(sizes) == 3 and "lost" not in events:
+                    cluster.remove_node(nodes[1])
+                    events["lost"] = time.monotonic()
+                if len(sizes) == 9 and "joined" not in events:
+                    cluster.add_node(num_cpus=2, resources={"rank": 2})
+                    events["joined"] = time.monotonic()
+                if len(sizes) > 1 and sizes[-1] != sizes[-2]:
+                    events.setdefault(f"size {sizes[-1]}", time.monotonic())
+
+        losses = dm.fit(loader, epochs=2, checkpoint_every=2, checkpoint_dir=tempfile.mkdtemp() + "/ck",
+                        max_failures=1, progress=False, callbacks=[Chaos()])
+        params = dm.state_dict("param")
+        print("sizes", sizes)
+        print(f"loss to smaller step {events['size 2'] - events['lost']:.1f} s; "
+              f"join to larger step {events['size 4'] - events['joined']:.1f} s")
+        assert 4 in sizes[:3] and 2 in sizes and sizes[-1] == 4, sizes
+        ref, expected = Reference(sgd()), []
+        for epoch in range(2):
+            for x, y in zip(*global_batches(rows, 8, 2, epoch, shuffle=True, seed=3)):
+                expected.append(ref.train(x, y))
+        assert_close(losses, expected)
+        for name, value in ref.params().items():
+            assert_close(params[name], value, what=name)
+        dm.shutdown()
+        print("shrank and grew like one process")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    """)
+    print(out)
+    assert "shrank and grew like one process" in out
+
+
+def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fits():
+    """Outside fit: RankError naming the rank, restart() at 2 ranks from the last checkpoint,
+    the numbers of one process; then a model whose minimum no longer fits: TimeoutError."""
+    out = run_driver(cluster(2) + """
+    import tempfile, time
+    import paddle
+    import raydist
+    from models import Reference, assert_close, batches, build, sgd
+
+    try:
+        data, ref = batches(6), Reference(sgd())
+        dm = raydist.to_static(build("elastic"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=(2, 4),
+                               resources_per_rank={"CPU": 1, "rank": 1})
+        assert dm.num_workers == 4
+        for x, y in data[:2]:
+            assert_close(dm(x, y), ref.train(x, y))
+        dm.save(tempfile.mkdtemp() + "/ck")
+        on_lost = {s.rank for s in raydist.status() if s.node_id == nodes[1].node_id}
+        cluster.remove_node(nodes[1])
+        lost = time.monotonic()
+        try:
+            float(dm(*data[2]))
+            raise AssertionError("a lost node went unnoticed")
+        except raydist.RankError as e:
+            assert e.rank in on_lost, (e.rank, on_lost)
+            print(f"RankError naming rank {e.rank} after {time.monotonic() - lost:.1f} s")
+        dm.restart()
+        assert dm.num_workers == 2 and len(raydist.status()) == 2
+        for x, y in data[2:]:
+            assert_close(dm(x, y), ref.train(x, y))
+        params = dm.state_dict("param")
+        for name, value in ref.params().items():
+            assert_close(params[name], value, what=name)
+        dm.shutdown()
+        print("restarted at 2 like one process")
+
+        cluster.add_node(num_cpus=2, resources={"rank": 2})
+        dm = raydist.to_static(build("elastic"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=(4, 6),
+                               resources_per_rank={"CPU": 1, "rank": 1}, placement_timeout_s=6)
+        victim = next(s.node_id for s in raydist.status() if s.node_id != nodes[0].node_id)
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == victim))
+        try:
+            float(dm(*data[0]))
+        except raydist.RankError:
+            pass
+        try:
+            dm.restart()
+            raise AssertionError("restarted below the minimum")
+        except TimeoutError as e:
+            assert "waiting for 4 x" in str(e) and "2 placeable" in str(e), e
+            print("below the minimum:", e)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    """)
+    print(out)
+    assert "restarted at 2 like one process" in out and "below the minimum" in out
+
+
+@pytest.mark.parametrize("strategy, nodes", [("PACK", 1), ("STRICT_SPREAD", 2)])
+def test_placement_strategy_puts_ranks_on_one_node_or_spreads_them(strategy, nodes):
+    out = run_driver(cluster(2) + f"""
+    import paddle
+    import raydist
+    from models import Reference, assert_close, batches, build, sgd
+
+    try:
+        ref = Reference(sgd())
+        with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                               resources_per_rank={{"CPU": 1, "rank": 1}}, placement_strategy="{strategy}") as dm:
+            for x, y in batches(3):
+                assert_close(dm(x, y), ref.train(x, y))
+            print("nodes", len({{s.node_id for s in raydist.status()}}))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    """)
+    assert f"nodes {nodes}" in out, out
