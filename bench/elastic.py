@@ -15,7 +15,7 @@ step 6. Two runs, round-robin:
 
 Reports the time from the node loss to the next completed step, from the node's
 join to the first step at 4 ranks, the steps lost per loss (steps run again), and
-whether the final parameters equal those of a run that lost nothing.
+how far the final parameters are from those of a run that lost nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool) -> dict:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         b, kind = models.batch_size(name), models.MODELS[name][0]
-        ds = ray.data.range(steps * b).map_batches(lambda x: models.rows(kind, x["id"]), runtime_env=RANK_ENV)
-        loader = raydist.shard_dataloader(ds.materialize(), models.mesh(name), input_keys=["x", "y"],
+        # not materialized: its blocks would come in the order its tasks end (the loader reads in order)
+        ds = ray.data.range(steps * b, override_num_blocks=4).map_batches(lambda x: models.rows(kind, x["id"]),
+                                                                           runtime_env=RANK_ENV)
+        loader = raydist.shard_dataloader(ds, models.mesh(name), input_keys=["x", "y"],
                                           shard_dims="dp", batch_size=b)  # fmt: skip
 
         def build():
@@ -96,14 +98,16 @@ def elastic_table(names: list[str], steps: int, repeat: int) -> str:
             for kind in runs:
                 runs[kind].append(_run(name, steps, elastic=kind == "elastic", chaos=True))
         for kind, done in runs.items():
-            same = all(np.allclose(r["params"][k], v, rtol=1e-5, atol=1e-6)
-                       for r in done for k, v in undisturbed["params"].items())  # fmt: skip
+            # relative to the largest parameter entry: runs on other clusters differ in float rounding
+            # (gloo's reduction order), which AdamW's normalised steps carry into the parameters
+            drift = max(float(np.max(np.abs(r["params"][k] - v)) / max(float(np.max(np.abs(v))), 1e-12))
+                        for r in done for k, v in undisturbed["params"].items())  # fmt: skip
             label = "elastic (2, 4): shrink, then grow" if kind == "elastic" else "fixed 4: restart on a new node"
             join = statistics.median(r["join_to_larger"] for r in done)
             rows.append(f"| {name} | {label} | {statistics.median(r['loss_to_step'] for r in done):.1f} "
                         f"| {join:.1f} | {statistics.median(r['lost_steps'] for r in done):.0f} "
-                        f"| {'yes' if same else 'NO'} |")  # fmt: skip
+                        f"| {drift:.1e} |")  # fmt: skip
             print(rows[-1], flush=True)
     header = ("| model | run | node loss to next step (s) | node join to a step at 4 ranks (s) "
-              "| steps lost per loss | parameters equal an undisturbed run |")
+              "| steps lost per loss | parameters: max difference to an undisturbed run (relative) |")
     return "\n".join([header, "|---|---|---:|---:|---:|---|", *rows])

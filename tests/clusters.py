@@ -28,14 +28,14 @@ import psutil
 TESTS = Path(__file__).resolve().parent
 
 
-def run_driver(code: str, timeout: float = 240, env: dict | None = None) -> str:
+def run_driver(code: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None) -> str:
     """Run ``code`` as ``__main__`` of a fresh driver process; its stdout (it must succeed)."""
     temp = tempfile.mkdtemp(prefix="rdn", dir="/tmp")  # Ray's socket paths must stay short
     env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS), **(env or {})}
-    if "RAY_ADDRESS" not in (env or {}) or not env["RAY_ADDRESS"]:
+    if not env.get("RAY_ADDRESS"):
         env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+                          timeout=timeout, cwd=cwd)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     return done.stdout
 

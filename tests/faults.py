@@ -33,3 +33,25 @@ def die_after_writing_on_rank_1():
         return name
 
     checkpoint.write_pieces = write_then_die
+
+
+def pause_a_save_when_flagged():
+    """Once the file named by $RAYDIST_TEST_FLAG exists, the next checkpoint write (of
+    whichever rank comes first) removes it, then waits 5 s after writing: a save that
+    lasts long enough for a test to lose a node in the middle of it."""
+    from raydist import checkpoint
+
+    write = checkpoint.write_pieces
+
+    def write_then_wait(directory, rank, pieces):
+        name = write(directory, rank, pieces)
+        try:
+            os.remove(os.environ["RAYDIST_TEST_FLAG"])
+        except (FileNotFoundError, KeyError):
+            return name
+        import time
+
+        time.sleep(5)
+        return name
+
+    checkpoint.write_pieces = write_then_wait

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from clusters import AutoscalingHead, cluster, run_driver
+from clusters import TESTS, AutoscalingHead, cluster, run_driver
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -175,3 +175,80 @@ def test_placement_strategy_puts_ranks_on_one_node_or_spreads_them(strategy, nod
         cluster.shutdown()
     """)
     assert f"nodes {nodes}" in out, out
+
+
+def test_the_elastic_example_runs_on_a_local_ray():
+    """examples/elastic.py, as the README runs it, on its own local Ray (4 ranks: room for all)."""
+    out = run_driver("""
+    import runpy, sys
+    sys.path.insert(0, "examples")
+    sys.argv = ["elastic.py", "--epochs", "1"]
+    runpy.run_path("examples/elastic.py", run_name="__main__")
+    """, cwd=str(TESTS.parent))
+    assert re.search(r"training on [24] ranks", out) and "64 steps" in out, out
+
+
+def test_two_losses_in_a_row_the_second_during_a_save():
+    """(2, 6) over three nodes, dp3 x mp2 at 6 ranks: a node lost between steps (on to 2
+    ranks: 4 would split 3 shards unevenly), then the node of those 2 lost in the middle of
+    a checkpoint save (on to 2 ranks on the last node, from the checkpoint before). Every
+    loss and the final parameters equal one process; no half-written checkpoint remains."""
+    out = run_driver(cluster(3) + """
+    import glob, os, tempfile, threading, time
+    import paddle, paddle.distributed as dist
+    import faults, raydist
+    from models import Reference, Rows, assert_close, build, global_batches, sgd
+
+    flag = tempfile.mktemp()
+    try:
+        rows = Rows(96)
+        mesh = dist.ProcessMesh([[0, 1], [2, 3], [4, 5]], dim_names=["dp", "mp"])
+        loader = raydist.shard_dataloader(rows, mesh, shard_dims="dp", batch_size=12)
+        env = faults.hook("pause_a_save_when_flagged")
+        env["env_vars"]["RAYDIST_TEST_FLAG"] = flag
+        dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), sgd(), num_workers=(2, 6),
+                               resources_per_rank={"CPU": 1, "rank": 1}, runtime_env=env)
+        assert dm.num_workers == 6
+        ck = tempfile.mkdtemp() + "/ck"
+        sizes, lost = [], []
+
+        def node_of_ranks():
+            ids = set(dm._client.group.nodes)
+            return next(n for n in cluster.worker_nodes if n.node_id in ids)
+
+        def lose_during_save():
+            while os.path.exists(flag) or not glob.glob(ck + "/*.saving-*/*"):
+                time.sleep(0.02)
+            cluster.remove_node(node_of_ranks())
+            lost.append("during a save")
+
+        class Chaos(paddle.callbacks.Callback):
+            def on_train_batch_end(self, step, logs=None):
+                sizes.append(dm.num_workers)
+                if len(sizes) == 3 and not lost:
+                    cluster.remove_node(node_of_ranks())
+                    lost.append("between steps")
+                    open(flag, "w").close()
+                    threading.Thread(target=lose_during_save, daemon=True).start()
+
+        losses = dm.fit(loader, epochs=2, checkpoint_every=2, checkpoint_dir=ck, max_failures=2, progress=False,
+                        callbacks=[Chaos()])
+        params = dm.state_dict("param")
+        print("sizes", sizes, "lost", lost)
+        assert lost == ["between steps", "during a save"] and sizes[0] == 6 and sizes[-1] == 2, (lost, sizes)
+        assert not glob.glob(ck + "/*.saving-*"), os.listdir(ck)
+        ref, expected = Reference(sgd()), []
+        for epoch in range(2):
+            for x, y in zip(*global_batches(rows, 12, 3, epoch)):
+                expected.append(ref.train(x, y))
+        assert_close(losses, expected)
+        for name, value in ref.params().items():
+            assert_close(params[name], value, what=name)
+        dm.shutdown()
+        print("two losses like one process")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    """)
+    print(out)
+    assert "two losses like one process" in out

@@ -15,6 +15,11 @@ from storage to the ranks without passing through the driver.
 
 Every split holds the same number of rows, so every epoch ends at the same
 step on every rank, and the driver knows that step in advance (`len`).
+
+The splits are the data's *shards*: one per data-parallel group of the loader's
+mesh. An elastic model below its largest size (`raydist.driver.elastic`) has
+fewer groups: each reads several shards joined (`sources.JoinedSplit`), so
+global batch k holds the same rows, in the same order, at every size.
 Readers read up to ``prefetch`` steps ahead of the model, in a thread of
 their own, while the current step runs; the driver sends them nothing per
 step (see `raydist.worker.data`).

@@ -11,6 +11,8 @@ import ray
 
 log = logging.getLogger("raydist")
 
+DATA_CPUS = 2  # logical CPUs a local Ray gets beyond the ranks', for Ray Data's tasks
+
 
 def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -> bool:
     """Connect to Ray unless connected; returns whether this call did (so it may disconnect).
@@ -18,7 +20,8 @@ def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -
     - ``RAY_ADDRESS`` set (as under ``ray job submit``): that cluster.
     - Ray's address file names a live cluster (``ray start`` on this machine): that cluster,
       as a plain ``ray.init()`` would.
-    - Otherwise a new local Ray with enough logical CPUs for the ranks. An address
+    - Otherwise a new local Ray with enough logical CPUs for the ranks, and
+      `DATA_CPUS` more for a loader's Ray Data tasks. An address
       file that names a cluster that is gone (stopped without ``ray stop``, killed)
       is ignored, with a warning: Ray itself would fail with "When connecting to an
       existing cluster, num_cpus and num_gpus must not be provided".
@@ -41,7 +44,8 @@ def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -
             "`ray stop`, or killed); starting a new local Ray instead", recorded
         )
     cpus = (resources_per_rank or {}).get("CPU", 0 if use_gpu else 1)
-    num_cpus = max(os.cpu_count() or 1, int(math.ceil(num_workers * cpus)))
+    # Room beside the ranks for what feeds them: a loader's Ray Data tasks need CPUs too.
+    num_cpus = max(os.cpu_count() or 1, int(math.ceil(num_workers * cpus)) + DATA_CPUS)
     log.info("raydist: starting a local Ray instance with %d CPUs", num_cpus)
     ray.init(address="local", num_cpus=num_cpus)
     return True

@@ -22,6 +22,7 @@ log = logging.getLogger("raydist")
 
 # How long a just-freed group's resources may take to show as available again.
 RELEASE_WAIT_S = 5.0
+LOOK_S = 2.0  # otherwise, how long to look for room for a larger size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +89,14 @@ def size_now(sizes: Sizes, bundle: dict[str, float], freed: int = 0) -> int:
     """
     if not sizes.elastic:
         return sizes.min
-    deadline = time.monotonic() + (RELEASE_WAIT_S if freed else 0.0)
-    while True:
-        free = placeable_now(bundle)
-        if free >= freed or time.monotonic() >= deadline:
-            break
+    # Room shows up late when a group just let go of it, and comes and goes with short
+    # tasks (a loader's Ray Data tasks reading its schema): look for a moment.
+    deadline = time.monotonic() + (RELEASE_WAIT_S if freed else LOOK_S)
+    enough = freed if freed else sizes.max  # the room released, or room for the largest size
+    free = placeable_now(bundle)
+    while free < enough and time.monotonic() < deadline:
         time.sleep(0.2)
+        free = max(free, placeable_now(bundle))
     size = sizes.fitting(free)
     if size > free:
         log.warning("raydist: room for %d of %s now; starting at %d and waiting for it", free, bundle, size)

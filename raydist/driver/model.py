@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("raydist")
 
 MODES = ("train", "eval", "predict")
+GROW_PLACEMENT_S = 30.0  # how long growing waits for the room it saw before settling for what fits
 DISPATCH = ("auto", "compiled", "calls")
 
 
@@ -125,6 +126,11 @@ class DistModel:
             specs = loader.specs()
             inputs, labels = (specs[:-1], specs[-1:]) if len(specs) > 1 else (specs, None)
         self._sizes = _num_workers(num_workers, (inputs or []) + (labels or []), loader)
+        if self._sizes.elastic and _in_placement_group():
+            raise ValueError(
+                "an elastic num_workers=(min, max) inside a placement group (a Ray Tune trial, say): the group's "
+                "bundles fix the size; give num_workers an int"
+            )
         num_workers = self._sizes.max
         self._payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
                                        "the layer builder, loss, optimizer or strategy")  # fmt: skip
@@ -145,13 +151,17 @@ class DistModel:
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
 
-    def _start(self, first_step: int, size: int | None = None, freed: int = 0) -> None:
+    def _start(self, first_step: int, size: int | None = None, freed: int = 0,
+               placement_timeout_s: float | None = None) -> None:  # fmt: skip
         """A new group of ranks with the model built on it: of ``size`` ranks, or the largest
         accepted size the cluster holds now (``freed``: ranks a group just let go of)."""
         if size is None:
             size = size_now(self._sizes, self._config.bundle(), freed)
         self._config = dataclasses.replace(self._config, num_workers=size)
-        group = RankGroup(self._config)
+        config = self._config
+        if placement_timeout_s is not None:
+            config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
+        group = RankGroup(config)
         self._client = RankClient(group, max_in_flight=self._max_in_flight, compiled=self._compiled,
                                   step_timeout=self._config.step_timeout_s, first_step=first_step)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._client.close)
@@ -247,7 +257,11 @@ class DistModel:
         freed = self._client.group.live_bundles()
         self._finalizer.detach()
         self._client.close(drain=True)
-        self._start(first_step, size=size, freed=freed)
+        try:  # the room seen a moment ago may be gone (taken by another job, a node lost again)
+            self._start(first_step, size=size, freed=freed, placement_timeout_s=GROW_PLACEMENT_S)
+        except TimeoutError:
+            log.warning("raydist: no room for %d ranks after all; going on at the size that fits", size)
+            self._start(first_step)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
         self._state.set_state_dict(state)
@@ -603,6 +617,12 @@ def _num_workers(num_workers: int | tuple[int, int] | None, specs: list, loader:
             f"input_spec's mesh uses processes up to {max(spec_ranks)}, but num_workers={num_workers}"
         )
     return sizes
+
+
+def _in_placement_group() -> bool:
+    from ray.util.placement_group import get_current_placement_group
+
+    return ray.is_initialized() and get_current_placement_group() is not None
 
 
 def _data_meshes(meshes: list[Mesh], num_workers: int) -> tuple[Mesh, Mesh]:
