@@ -15,7 +15,8 @@ step 6. Two runs, round-robin:
 
 Reports the time from the node loss to the next completed step, from the node's
 join to the first step at 4 ranks, the steps lost per loss (steps run again), and
-how far the final parameters are from those of a run that lost nothing.
+whether every loss equals that of a run that lost nothing, and how far the final
+parameters are from its (AdamW, learning rate 1e-3).
 """
 
 from __future__ import annotations
@@ -98,16 +99,19 @@ def elastic_table(names: list[str], steps: int, repeat: int) -> str:
             for kind in runs:
                 runs[kind].append(_run(name, steps, elastic=kind == "elastic", chaos=True))
         for kind, done in runs.items():
-            # relative to the largest parameter entry: runs on other clusters differ in float rounding
-            # (gloo's reduction order), which AdamW's normalised steps carry into the parameters
-            drift = max(float(np.max(np.abs(r["params"][k] - v)) / max(float(np.max(np.abs(v))), 1e-12))
+            same = all(np.allclose(r["losses"], undisturbed["losses"], rtol=1e-5) for r in done)
+            # AdamW moves every parameter by about its learning rate whatever the gradient's size, so
+            # float rounding (gloo's reduction order differs between clusters) shows in the parameters
+            # whose gradients are near zero: reported as the largest difference, absolute
+            drift = max(float(np.max(np.abs(r["params"][k] - v)))
                         for r in done for k, v in undisturbed["params"].items())  # fmt: skip
             label = "elastic (2, 4): shrink, then grow" if kind == "elastic" else "fixed 4: restart on a new node"
             join = statistics.median(r["join_to_larger"] for r in done)
             rows.append(f"| {name} | {label} | {statistics.median(r['loss_to_step'] for r in done):.1f} "
                         f"| {join:.1f} | {statistics.median(r['lost_steps'] for r in done):.0f} "
-                        f"| {drift:.1e} |")  # fmt: skip
+                        f"| {'yes' if same else 'NO'} | {drift:.1e} |")  # fmt: skip
             print(rows[-1], flush=True)
     header = ("| model | run | node loss to next step (s) | node join to a step at 4 ranks (s) "
-              "| steps lost per loss | parameters: max difference to an undisturbed run (relative) |")
-    return "\n".join([header, "|---|---|---:|---:|---:|---|", *rows])
+              "| steps lost per loss | every loss equals an undisturbed run's (rtol 1e-5) "
+              "| parameters: largest difference to it |")
+    return "\n".join([header, "|---|---|---:|---:|---:|---|---:|", *rows])

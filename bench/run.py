@@ -262,8 +262,10 @@ def _write(args, argv, table: str) -> None:
     if not args.no_write:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with open(ROOT / "BENCHMARKS.md", "a") as f:
-            f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {args.steps} timed steps "
-                    f"after {args.warmup} warm-up steps; dispatch {args.dispatch}.\n\n{table}\n")  # fmt: skip
+            steps = (f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians" if args.what == "elastic"
+                     else f"{args.steps} timed steps after {args.warmup} warm-up steps")
+            f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {steps}; "
+                    f"dispatch {args.dispatch}.\n\n{table}\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -166,7 +166,8 @@ class _Run:
         if size is None:
             return
         self._collect(pending, wait=True)
-        log.warning("raydist: room for %d ranks; growing from %d at step %d", size, self.dm.num_workers, len(self.history))
+        log.warning("raydist: room for %d ranks; growing from %d at step %d", size, self.dm.num_workers,
+                    len(self.history))
         self.dm._resize(size)
         self.position = (epoch, step)
         raise _Regrouped
