@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 TESTS = Path(__file__).resolve().parent
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]  # Ray's CLI, whether or not its venv is on PATH
 
 
 def run_driver(code: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None) -> str:
@@ -103,7 +104,7 @@ class AutoscalingHead:
         return get_node_ip_address()
 
     def __enter__(self) -> "AutoscalingHead":
-        subprocess.run(["ray", "start", "--head", f"--autoscaling-config={self.config}", "--num-cpus=2",
+        subprocess.run([*RAY, "start", "--head", f"--autoscaling-config={self.config}", "--num-cpus=2",
                         f"--port={self.port}", f"--temp-dir={self.temp}", "--include-dashboard=false",
                         "--disable-usage-stats"], env=self.env, check=True, capture_output=True,
                        timeout=120)  # fmt: skip
@@ -137,7 +138,7 @@ class AutoscalingHead:
 
     def nodes(self) -> int:
         """Alive worker nodes (from a `ray status` of this head)."""
-        out = subprocess.run(["ray", "status", f"--address={self.address}"], env=self.env, capture_output=True,
+        out = subprocess.run([*RAY, "status", f"--address={self.address}"], env=self.env, capture_output=True,
                              text=True, timeout=60).stdout  # fmt: skip
         return out.count("ray.worker.rank")
 
