@@ -146,3 +146,15 @@ def global_batches(dataset: Rows, batch_size: int, shards: int, epoch: int, shuf
         per_shard.append(list(sampler))
     return [np.concatenate([dataset.x[ids] for ids in step]) for step in zip(*per_shard)], \
         [np.concatenate([dataset.y[ids] for ids in step]) for step in zip(*per_shard)]
+
+
+def assert_fit_like_one_process(losses, params, dataset: Rows, batch_size: int, shards: int, epochs: int,
+                                optimizer, shuffle: bool = False, seed: int = 0) -> None:  # fmt: skip
+    """``fit``'s losses and final parameters equal one plain process over the loader's global batches."""
+    ref, expected = Reference(optimizer), []
+    for epoch in range(epochs):
+        for x, y in zip(*global_batches(dataset, batch_size, shards, epoch, shuffle, seed)):
+            expected.append(ref.train(x, y))
+    assert_close(losses, expected)
+    for name, value in ref.params().items():
+        assert_close(params[name], value, what=name)

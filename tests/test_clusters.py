@@ -48,7 +48,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_and_ends_as_one_process
     import logging, tempfile, time
     import numpy as np, paddle, paddle.distributed as dist
     import raydist
-    from models import Reference, Rows, assert_close, build, global_batches, sgd
+    from models import Rows, assert_fit_like_one_process, build, sgd
 
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -80,13 +80,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_and_ends_as_one_process
         print(f"loss to smaller step {events['size 2'] - events['lost']:.1f} s; "
               f"join to larger step {events['size 4'] - events['joined']:.1f} s")
         assert 4 in sizes[:3] and 2 in sizes and sizes[-1] == 4, sizes
-        ref, expected = Reference(sgd()), []
-        for epoch in range(2):
-            for x, y in zip(*global_batches(rows, 8, 2, epoch, shuffle=True, seed=3)):
-                expected.append(ref.train(x, y))
-        assert_close(losses, expected)
-        for name, value in ref.params().items():
-            assert_close(params[name], value, what=name)
+        assert_fit_like_one_process(losses, params, rows, 8, 2, 2, sgd(), shuffle=True, seed=3)
         dm.shutdown()
         print("shrank and grew like one process")
     finally:
@@ -197,7 +191,7 @@ def test_two_losses_in_a_row_the_second_during_a_save():
     import glob, os, tempfile, threading, time
     import paddle, paddle.distributed as dist
     import faults, raydist
-    from models import Reference, Rows, assert_close, build, global_batches, sgd
+    from models import Rows, assert_fit_like_one_process, build, sgd
 
     flag = tempfile.mktemp()
     try:
@@ -237,13 +231,7 @@ def test_two_losses_in_a_row_the_second_during_a_save():
         print("sizes", sizes, "lost", lost)
         assert lost == ["between steps", "during a save"] and sizes[0] == 6 and sizes[-1] == 2, (lost, sizes)
         assert not glob.glob(ck + "/*.saving-*"), os.listdir(ck)
-        ref, expected = Reference(sgd()), []
-        for epoch in range(2):
-            for x, y in zip(*global_batches(rows, 12, 3, epoch)):
-                expected.append(ref.train(x, y))
-        assert_close(losses, expected)
-        for name, value in ref.params().items():
-            assert_close(params[name], value, what=name)
+        assert_fit_like_one_process(losses, params, rows, 12, 3, 2, sgd())
         dm.shutdown()
         print("two losses like one process")
     finally:

@@ -94,8 +94,8 @@ class ShardDataloader:
         self.shard_dims = [_dim_name(m, d) for m, d in zip(self.meshes, dims)]
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (the global batch), got {batch_size!r}")
-        self.layout = data_layout(self.meshes[0], self.shard_dims[0], 1)
-        self.dp = len(self.layout.holders())
+        self._own = _View(self.meshes, self.shard_dims)  # the loader's own meshes: its data shards
+        self.layout, self.dp = self._own.layout, self._own.groups
         for mesh, dim in zip(self.meshes[1:], self.shard_dims[1:]):
             if len(data_layout(mesh, dim, 1).holders()) != self.dp:
                 raise ValueError("every mesh must split the data into the same number of data-parallel groups")
@@ -123,7 +123,7 @@ class ShardDataloader:
         self._rows: int | None = None
         self._specs_by_key: dict | None = None
         self._client: RankClient | None = None  # the ranks that read (set by the DistModel)
-        self._view = _View(self.meshes, self.shard_dims)  # the meshes of the ranks that read
+        self._view = self._own  # the meshes of the ranks that read
         self._epoch: _Epoch | None = None
         self._epochs = itertools.count()
 
@@ -199,8 +199,7 @@ class ShardDataloader:
                 self._epoch = None  # its readers were the other group's ranks
             self._client = client
             own = meshes is None or len(meshes[0].process_ids) == len(self.meshes[0].process_ids)
-            view = _View(self.meshes, self.shard_dims) if own else _View(list(meshes), [self.shard_dims[0],
-                                                                                        self.shard_dims[-1]])
+            view = self._own if own else _View(list(meshes), [self.shard_dims[0], self.shard_dims[-1]])
             if self.dp % view.groups:
                 raise ValueError(
                     f"the loader's {self.dp} data shards do not split evenly over the model's {view.groups} "
