@@ -5,13 +5,15 @@
 On a ``ray.cluster_utils.Cluster`` of real raylets on this machine (a 1-CPU head
 and two worker nodes of 2 CPUs, with a "rank" resource only worker nodes have), each
 model trains with ``fit`` (a checkpoint every 4 steps) and loses a worker node after
-step 6. Two runs, round-robin:
+step 6 (the other node keeps a whole data-parallel group). Three runs, round-robin:
 
-- *elastic*: ``num_workers=(2, 4)``: it goes on at 2 ranks from the last checkpoint;
-  the node comes back after step 14 and the model grows to 4 at a step boundary,
-  the state moved from the live ranks;
-- *fixed*: ``num_workers=4``: a replacement node joins right after the loss, and
-  the model restarts at 4 ranks from the last checkpoint.
+- *elastic*: ``num_workers=(2, 4)``: it goes on at 2 ranks from the state the
+  surviving ranks hold; the node comes back after step 14 and the model grows to 4
+  at a step boundary, the state moved from the live ranks;
+- *fixed, survivors*: ``num_workers=4``: a replacement node joins right after the
+  loss, and the model restarts at 4 ranks from the survivors' state;
+- *fixed, checkpoint*: the same, from the last checkpoint (reading the survivors'
+  state turned off), as before raydist read it.
 
 Reports the time from the node loss to the next completed step, from the node's
 join to the first step at 4 ranks, the steps lost per loss (steps run again), and
@@ -30,7 +32,7 @@ import numpy as np
 LOSE_AFTER, JOIN_AFTER, CHECKPOINT_EVERY = 6, 14, 4
 
 
-def _run(name: str, steps: int, elastic: bool, chaos: bool) -> dict:
+def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = True) -> dict:
     import paddle
     import paddle.distributed as dist
     import ray
@@ -40,6 +42,11 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool) -> dict:
     from bench import models
     from bench.run import RANK_ENV
 
+    from raydist.driver.model import DistModel
+
+    salvage = DistModel._salvage
+    if not survivors:
+        DistModel._salvage = lambda self, group: None  # as before: every restart from the checkpoint
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     nodes = [cluster.add_node(num_cpus=2, resources={"rank": 2}) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
@@ -86,26 +93,33 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool) -> dict:
             out["join_to_larger"] = next(t for t, n in ends if t > events["joined"] and n == 4) - events["joined"]
         return out
     finally:
+        DistModel._salvage = salvage
         ray.shutdown()
         cluster.shutdown()
+
+
+KINDS = {  # label: (elastic, from the survivors' state)
+    "elastic (2, 4): shrink, then grow": (True, True),
+    "fixed 4: restart on a new node, survivors' state": (False, True),
+    "fixed 4: restart on a new node, last checkpoint": (False, False),
+}
 
 
 def elastic_table(names: list[str], steps: int, repeat: int) -> str:
     rows = []
     for name in names:
         undisturbed = _run(name, steps, elastic=True, chaos=False)
-        runs: dict[str, list[dict]] = {"elastic": [], "fixed": []}
+        runs: dict[str, list[dict]] = {label: [] for label in KINDS}
         for _ in range(repeat):
-            for kind in runs:
-                runs[kind].append(_run(name, steps, elastic=kind == "elastic", chaos=True))
-        for kind, done in runs.items():
+            for label, (elastic, survivors) in KINDS.items():
+                runs[label].append(_run(name, steps, elastic=elastic, chaos=True, survivors=survivors))
+        for label, done in runs.items():
             same = all(np.allclose(r["losses"], undisturbed["losses"], rtol=1e-5) for r in done)
             # AdamW moves every parameter by about its learning rate whatever the gradient's size, so
             # float rounding (gloo's reduction order differs between clusters) shows in the parameters
             # whose gradients are near zero: reported as the largest difference, absolute
             drift = max(float(np.max(np.abs(r["params"][k] - v)))
                         for r in done for k, v in undisturbed["params"].items())  # fmt: skip
-            label = "elastic (2, 4): shrink, then grow" if kind == "elastic" else "fixed 4: restart on a new node"
             join = statistics.median(r["join_to_larger"] for r in done)
             rows.append(f"| {name} | {label} | {statistics.median(r['loss_to_step'] for r in done):.1f} "
                         f"| {join:.1f} | {statistics.median(r['lost_steps'] for r in done):.0f} "

@@ -180,6 +180,11 @@ class RankActor(Member):
     def data_fail(self, loader: int, epoch: int, error: str) -> None:
         self.data.fail(loader, epoch, error)
 
+    @ray.method(concurrency_group=ASIDE)
+    def live_state(self, wait_s: float) -> tuple[int, dict] | None:
+        """Beside a step: this rank's state once no step runs (see `ModelService.live_state`)."""
+        return self.model.live_state(wait_s) if self.model is not None else None
+
     # -- observing -------------------------------------------------------------------
 
     @ray.method(concurrency_group=ASIDE)

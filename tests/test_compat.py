@@ -211,6 +211,24 @@ def test_collectives_defect_dp_replicas_drift_without_the_fix():
     assert worst > 1e-3, "dp x mp is exact without raydist's collectives fix: Paddle fixed the defect"
 
 
+@pytest.mark.usefixtures("ray_session")
+def test_the_train_program_updates_parameters_between_gradient_all_reduces():
+    """Why a step a peer's death broke off may have updated some parameters and not others
+    (raydist.driver.state._half_updated): on dp2, Paddle's train program runs adamw_ for one
+    parameter before the all_reduce of the next one's gradient. If every all_reduce comes
+    first one day, a broken-off step updates nothing, and the survivors' state is always whole."""
+    import re
+
+    import raydist
+    from models import adamw, batches, build
+
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2) as dm:
+        float(dm(*batches(1)[0]))
+        ops = re.findall(r'"pd_op\.(all_reduce|adamw_)"', dm.dist_main_program("train"))
+    first_update = ops.index("adamw_")
+    assert "all_reduce" in ops[first_update:], ops
+
+
 def test_engine_defect_5_eval_after_gradient_merge_runs_the_train_plan():
     out = run_plain_paddle(
         SINGLE_PROCESS_MODEL

@@ -272,3 +272,41 @@ def test_restart_counts_steps_on(tmp_path):
 
     assert json.loads((tmp_path / "a" / "manifest.json").read_text())["step"] == 3
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["step"] == 5
+
+
+def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_stood():
+    """dp2 under AdamW: rank 1 killed with two steps in flight. restart() takes rank 0's state
+    (no checkpoint exists; the step it broke off updated nothing, as its per-parameter counts
+    show) and puts the schedule back where it stood before the failed step; the run redone
+    from that step equals one process."""
+    from test_training import schedule
+
+    def scheduled_adamw(params):
+        return paddle.optimizer.AdamW(learning_rate=schedule("step"), parameters=params, weight_decay=0.01)
+
+    data, ref = batches(7, seed=8), Reference(scheduled_adamw)
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=scheduled_adamw, num_workers=2,
+                           max_in_flight=3) as dm:  # fmt: skip
+        for x, y in data[:3]:
+            assert_close(dm(x, y), ref.train(x, y))
+            dm.lr_scheduler.step()
+            ref.opt._learning_rate.step()
+        pids = list(dm._client.group.pids)
+        os.kill(pids[1], signal.SIGKILL)
+        wait_gone(pids[1:])
+        with pytest.raises(raydist.RankError) as info:
+            sent = []
+            for x, y in data[3:5]:  # in flight when the failure is seen; the schedule moves on
+                sent.append(dm(x, y))
+                dm.lr_scheduler.step()
+            float(sent[0])
+        assert info.value.during == "step 3" and dm.lr_scheduler.last_lr != ref.opt._learning_rate.last_lr
+        dm.restart()
+        assert dm._restored_live and dm.lr_scheduler.last_lr == ref.opt._learning_rate.last_lr
+        for x, y in data[3:]:
+            assert_close(dm(x, y), ref.train(x, y))
+            dm.lr_scheduler.step()
+            ref.opt._learning_rate.step()
+        params = dm.state_dict("param")
+    for name, value in ref.params().items():
+        assert_close(params[name], value, what=name)

@@ -163,3 +163,33 @@ def test_elastic_sizes_split_the_loaders_shards_evenly():
     assert sizes_of((2, 8), Loader()).fitting(7) == 4 and sizes_of((2, 8), Loader()).fitting(1) == 2
     assert sizes_of((2, 8), Loader()).larger(2, 2) == 4 and sizes_of((2, 8), Loader()).larger(4, 3) is None
     assert sizes_of((3, 8), Loader()).accepted == (4, 8) and not sizes_of((5, 8), Loader()).elastic
+
+
+def test_the_survivors_state_is_assembled_only_when_they_hold_all_of_it_at_one_step():
+    from raydist.driver.state import assemble_live
+
+    mesh = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
+    w = np.arange(8.0).reshape(2, 4)
+    by_mp = Layout(mesh, (-1, 1))  # columns split over mp, replicated over dp
+
+    def answer(rank, steps=3, value=w, broke_off=False, pows=(0.9, 0.9)):
+        state = {"w": (by_mp.local(value, rank), by_mp), "b": (np.ones(2), None)}
+        if pows:
+            state.update({"w_beta1_pow_acc_0": (np.array([pows[0]]), None),
+                          "b_beta1_pow_acc_0": (np.array([pows[1]]), None)})  # fmt: skip
+        return steps, broke_off, state
+
+    steps, full = assemble_live({2: answer(2), 3: answer(3)})  # one data-parallel group survives
+    assert steps == 3 and np.array_equal(full["w"], w) and np.array_equal(full["b"], np.ones(2))
+    steps, full = assemble_live({0: answer(0), 3: answer(3)})  # a piece from each group
+    assert np.array_equal(full["w"], w)
+    assert "no surviving rank holds piece (1,) of 'w'" in assemble_live({0: answer(0), 2: answer(2)})
+    assert "different steps" in assemble_live({2: answer(2), 3: answer(3, steps=4)})
+    assert "replicas of 'w' differ" in assemble_live({0: answer(0), 1: answer(1), 2: answer(2, value=w + 1),
+                                                      3: answer(3)})  # fmt: skip
+    assert assemble_live({}) == "no surviving rank answered"
+    # a step broken off (by a peer's death): Adam's per-parameter counts tell whether it updated half
+    assert assemble_live({2: answer(2, broke_off=True), 3: answer(3)})[0] == 3
+    assert "some of its parameters were updated" in assemble_live({2: answer(2, broke_off=True, pows=(0.81, 0.9)),
+                                                                   3: answer(3)})  # fmt: skip
+    assert "no per-parameter step count" in assemble_live({2: answer(2, broke_off=True, pows=()), 3: answer(3)})

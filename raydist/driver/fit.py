@@ -7,9 +7,10 @@ take a ``paddle.Model``). It steps the learning-rate schedule as Paddle's
 ``paddle.callbacks.LRScheduler`` asks (every step by default, as Paddle's
 ``Engine.fit``), evaluates on ``eval_loader``, saves a checkpoint every
 ``checkpoint_every`` steps and, when a rank fails, starts a fresh group of
-ranks, restores the latest checkpoint (the schedule's position included),
-resumes the data at its epoch and step, and goes on, up to ``max_failures``
-times. The data's order depends only on the epoch (and the loader's seed), so
+ranks, restores the newest state (the surviving ranks' after the last
+completed step, if they hold all of it, else the latest checkpoint; the
+schedule's position included), resumes the data at its epoch and step, and
+goes on, up to ``max_failures`` times. The data's order depends only on the epoch (and the loader's seed), so
 a run that lost a rank ends where an undisturbed one does.
 
 Steps run ahead of the loop (``max_in_flight``): a step's ``on_train_batch_end``
@@ -87,8 +88,12 @@ def fit(
                 if failures > max_failures:
                     raise
                 log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
+                run.keep_completed()
                 dm.restart()
-                run.rewind()
+                if dm._restored_live:
+                    run.go_on()
+                else:
+                    run.rewind()
         run.callbacks.on_end("train", run.logs)
     return run.history
 
@@ -114,6 +119,8 @@ class _Run:
         self.resume = (0, 0, 0)  # (epoch, step, steps done) where the latest checkpoint stands
         self.position = (0, 0)  # (epoch, step) to go on from
         self.begun = -1  # the last epoch whose on_epoch_begin was called
+        self.ended = -1  # the last epoch whose end (evaluation, schedule, callbacks) was done
+        self.pending: collections.deque[_Sent] = collections.deque()  # sent, loss not yet collected
         self.grow_checked = time.monotonic()
         self.bar = None
         self.callbacks = None
@@ -123,7 +130,9 @@ class _Run:
 
     def go(self) -> None:
         epoch0, step0 = self.position
-        pending: collections.deque[_Sent] = collections.deque()
+        pending = self.pending = collections.deque()
+        if step0 == 0 and 0 < epoch0 and self.ended < epoch0 - 1:  # a failure came before the epoch's end
+            self._end_epoch(epoch0 - 1)
         for epoch in range(epoch0, self.epochs):
             first = step0 if epoch == epoch0 else 0
             if self.begun < epoch:
@@ -177,6 +186,7 @@ class _Run:
             self.evaluate()
         if self.by_epoch and self.dm.lr_scheduler is not None:
             self.dm.lr_scheduler.step()
+        self.ended = epoch
         self.callbacks.on_epoch_end(epoch, dict(self.logs))
 
     def evaluate(self) -> None:
@@ -196,6 +206,18 @@ class _Run:
         done = len(self.history)
         self.dm.save(posixpath.join(self.directory, f"step-{done:08d}"))
         self.resume = (epoch, step, done)
+
+    def keep_completed(self) -> None:
+        """After a failure: the losses of the steps that completed before it."""
+        try:
+            self._collect(self.pending, wait=False)
+        except RankError:
+            pass
+        self.pending.clear()
+
+    def go_on(self) -> None:
+        """On from the last completed step (the restart restored the survivors' state, which is after it)."""
+        self.position = divmod(len(self.history), len(self.loader))
 
     def rewind(self) -> None:
         """Back to the latest checkpoint (the restart restored its state)."""

@@ -3,7 +3,8 @@
 Ranks are ordered by node (the driver's node first), then by bundle. A rank
 that raises or dies ends the whole group: every actor is killed (peers
 blocked in a collective included) and the driver gets a `RankError` naming
-the rank. `RankGroup.gather` is the one place where what ranks return, or
+the rank; after a death, the survivors are first asked what they hold
+(`RankGroup.on_death`). `RankGroup.gather` is the one place where what ranks return, or
 fail with, becomes a result or an error at the driver.
 """
 
@@ -102,6 +103,7 @@ class RankGroup:
         self.nodes: list[str] = []  # each rank's Ray node id
         self._alive = False
         self._on_shutdown: list = []
+        self._on_death: list = []
         self._start()
 
     # -- start -----------------------------------------------------------------
@@ -268,6 +270,11 @@ class RankGroup:
         dead = self._dead_rank() if self._alive else None
         if dead is not None:
             rank, e = dead
+            for callback in self._on_death:
+                try:
+                    callback(self)
+                except Exception:  # noqa: BLE001 - the failure is what gets reported
+                    log.exception("raydist: reading the surviving ranks failed")
         elif self.rank_of(e) >= 0:
             rank = self.rank_of(e)
         self.shutdown()
@@ -301,6 +308,11 @@ class RankGroup:
         return sum(node in alive for node in self.nodes)
 
     # -- teardown --------------------------------------------------------------
+
+    def on_death(self, callback) -> None:
+        """Call ``callback(group)`` when a rank died, before the survivors are killed
+        (to read what they hold)."""
+        self._on_death.append(callback)
 
     def on_shutdown(self, callback) -> None:
         """Call ``callback()`` once the ranks are killed (e.g. to close a compiled graph)."""

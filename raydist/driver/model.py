@@ -31,7 +31,7 @@ from .elastic import Sizes, size_now, sizes_of
 from .group import GroupConfig, RankGroup
 from .inputs import InputSpecs, Specs, array_specs, leaves, to_array
 from .placement import placeable_now
-from .state import ModelState
+from .state import ModelState, live_state
 from .steps import Evaluated, Loss
 
 if TYPE_CHECKING:
@@ -145,6 +145,7 @@ class DistModel:
         init_ray(num_workers, resources_per_rank, use_gpu)
         self._state: ModelState | None = None
         self._lr_scheduler: RankScheduler | None = None
+        self._restored_live = False  # whether the last restart() went on from the survivors' state
         self._start(first_step=0)
         if loader is not None:
             loader.bind(self._client, self._data_meshes)
@@ -162,6 +163,12 @@ class DistModel:
         if placement_timeout_s is not None:
             config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
         group = RankGroup(config)
+        group.on_death(_weakly(self._salvage))
+        self._salvaged: tuple[dict, Any, int] | None = None  # what the survivors of a death held
+        self._trained_here = 0  # train steps sent to this group
+        # the latest of them: (index, step number, learning rate it ran with); the steps in
+        # flight are among them
+        self._sent_train: collections.deque = collections.deque(maxlen=self._max_in_flight + 2)
         self._client = RankClient(group, max_in_flight=self._max_in_flight, compiled=self._compiled,
                                   step_timeout=self._config.step_timeout_s, first_step=first_step)  # fmt: skip
         self._finalizer = weakref.finalize(self, self._client.close)
@@ -221,22 +228,68 @@ class DistModel:
         return changes
 
     def restart(self) -> None:
-        """Start a fresh group of ranks (after a failure) and restore the last checkpoint.
+        """Start a fresh group of ranks (after a failure) and restore the newest state there is.
 
-        The last checkpoint is the one this model saved or loaded last; with
-        none, the model starts from its initial parameters again. Steps in
-        flight are dropped; step numbers go on from where they were. An elastic
-        model comes back at the largest accepted size the cluster holds now
-        (waiting, up to ``placement_timeout_s``, for its minimum).
+        After a rank died, that is the state its surviving peers held, if they
+        hold all of it (every shard of the parameters and optimizer state, e.g.
+        on a data-parallel mesh) at the last step the driver saw complete: then
+        nothing is lost but the steps that failed. Otherwise it is the last
+        checkpoint this model saved or loaded; with none, the model starts from
+        its initial parameters again. Steps in flight are dropped; step numbers
+        go on from where they were. An elastic model comes back at the largest
+        accepted size the cluster holds now (waiting, up to
+        ``placement_timeout_s``, for its minimum).
         """
+        salvaged = self._salvaged
         first_step = self._client.window.submitted
         freed = self._client.group.live_bundles()
         self._finalizer()
         self._start(first_step, freed=freed)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
-        if self._state.last_checkpoint is not None:
+        self._restored_live = salvaged is not None
+        if salvaged is not None:
+            state, rate, trained = salvaged
+            self._put_back(state, rate)
+            log.warning("raydist: went on from the state the surviving ranks held after %d train steps "
+                        "(no checkpoint read)", trained)  # fmt: skip
+        elif self._state.last_checkpoint is not None:
             self.load(self._state.last_checkpoint)
+
+    def _salvage(self, group: RankGroup) -> None:
+        """A rank of ``group`` died: keep the state its survivors hold for `restart`, if they
+        hold all of it at the last train step the driver saw complete."""
+        if group is not self._client.group or "train" not in self._plans:
+            return
+        found = live_state(group.actors)
+        if isinstance(found, str):
+            log.warning("raydist: %s: a restart goes back to the last checkpoint", found)
+            return
+        trained, state = found
+        oldest = self._client.window.oldest  # the failing step, if a step failed
+        unfinished = [i for i, number, _ in self._sent_train if oldest is not None and number >= oldest]
+        if trained != self._trained_here - len(unfinished):
+            log.warning("raydist: the surviving ranks are after %d train steps, the driver saw %d complete: a "
+                        "restart goes back to the last checkpoint", trained, self._trained_here - len(unfinished))
+            return
+        rate = self._rate_now() if not unfinished else next(r for i, _, r in self._sent_train if i == trained)
+        self._salvaged = (state, rate, trained)
+
+    def _rate_now(self) -> Any:
+        """The learning rate the next train step runs with: the schedule's state, or the float."""
+        return self._lr_scheduler.state_dict() if self._lr_scheduler is not None else self._learning_rate
+
+    def _put_back(self, state: dict[str, np.ndarray], rate: Any) -> None:
+        """Give a new group the state and learning rate of the one before."""
+        if "train" not in self._plans and not set(state) <= set(self._state.meta()):
+            current = self._mode  # the optimizer's state lives in the train program: build it
+            self._switch("train")
+            self._switch(current)
+        self._state.set_state_dict(state)
+        if isinstance(rate, dict):
+            self._lr_scheduler.set_state_dict(rate)
+        elif rate is not None and rate != self._learning_rate:
+            self._set_learning_rate(rate)
 
     def _can_grow(self) -> int | None:
         """A larger accepted size that the cluster has room for now, if any (elastic models)."""
@@ -251,8 +304,7 @@ class DistModel:
         at the driver, then put once for every new rank); no checkpoint is written.
         """
         state = self.state_dict("all" if "train" in self._plans else "param")
-        schedule = self._lr_scheduler.state_dict() if self._lr_scheduler is not None else None
-        rate = self._learning_rate
+        rate = self._rate_now()
         first_step = self._client.window.submitted
         freed = self._client.group.live_bundles()
         self._finalizer.detach()
@@ -264,11 +316,7 @@ class DistModel:
             self._start(first_step)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
-        self._state.set_state_dict(state)
-        if schedule is not None:
-            self._lr_scheduler.set_state_dict(schedule)
-        elif rate is not None and rate != self._learning_rate:
-            self._set_learning_rate(rate)
+        self._put_back(state, rate)
 
     # -- modes -----------------------------------------------------------------
 
@@ -329,7 +377,11 @@ class DistModel:
         mode = self._mode
         message = self._message(list(leaves(args)), mode)
         plan = self._plans[mode]
+        rate = self._rate_now() if mode == "train" else None
         step = self._client.step(message, lambda results: _combine(plan, mode, results))
+        if mode == "train":
+            self._sent_train.append((self._trained_here, step.number, rate))
+            self._trained_here += 1
         return step.result() if mode == "predict" else Loss(step)
 
     def _message(self, values: list, mode: str) -> StepMessage:
@@ -517,8 +569,8 @@ class DistModel:
         evaluates on ``eval_loader`` (a loader of its own) every ``eval_every``
         steps, or at each epoch's end; saves a checkpoint to
         ``checkpoint_dir/step-NNNNNNNN`` every ``checkpoint_every`` steps; on a
-        `RankError` restarts the ranks, restores the latest checkpoint and
-        resumes the data where it stood. Returns the loss of every step.
+        `RankError` restarts the ranks, restores the newest state (see `restart`)
+        and resumes the data where it stood. Returns the loss of every step.
         See `raydist.driver.fit`.
         """
         from .fit import fit
@@ -617,6 +669,18 @@ def _num_workers(num_workers: int | tuple[int, int] | None, specs: list, loader:
             f"input_spec's mesh uses processes up to {max(spec_ranks)}, but num_workers={num_workers}"
         )
     return sizes
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method`` of an object, called only while the object lives (no reference cycle through it)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _in_placement_group() -> bool:

@@ -6,6 +6,8 @@ and orchestrates checkpoints: every rank writes its own shards, the driver
 writes the manifest and commits (`raydist.checkpoint`). A checkpoint's
 optimizer state that the model does not have yet (before its train program
 is built) is restored when it is built (`ModelState.restore_built`).
+After a rank died, `live_state` reads what its surviving peers hold, for a
+restart that loses nothing but the failed steps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import ray
 from .. import checkpoint
 from ..protocol import RankActor
 from .client import RankClient
+from .group import call_on
+
+# How long the survivors of a rank's death have to finish or break off their step
+# and hand over their state; past it, the group is torn down without it.
+LIVE_STATE_WAIT_S = 3.0
 
 
 class ModelState:
@@ -113,3 +120,79 @@ class ModelState:
             self.client.call(RankActor.load_state, path, now)
         if not tensors or not self.has_optimizer or train_built:
             self._pending = None  # what is left, this model will never have
+
+
+def live_state(actors: list) -> tuple[int, dict[str, np.ndarray]] | str:
+    """After a rank died: the FULL state its surviving peers hold, and the train steps it is
+    after; or, if they do not hold all of it, why not.
+
+    Asked beside their steps (`RankActor.live_state`): the dead ranks' calls fail at
+    once, a survivor blocked in a collective that never returns gives nothing.
+    """
+    refs = call_on(actors, RankActor.live_state, LIVE_STATE_WAIT_S)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=LIVE_STATE_WAIT_S + 2.0)
+    answers = {}
+    for rank, ref in enumerate(refs):
+        if ref in ready:
+            try:
+                answer = ray.get(ref)
+            except Exception:  # noqa: BLE001 - a dead rank: it holds nothing
+                continue
+            if answer is not None:
+                answers[rank] = answer
+    return assemble_live(answers)
+
+
+def assemble_live(answers: dict[int, tuple[int, bool, dict]]) -> tuple[int, dict[str, np.ndarray]] | str:
+    """The full state from the surviving ranks' ``{rank: (train steps, broke off, {name: (local,
+    layout)})}``; or why it cannot be had: no survivor, survivors at different steps, a
+    step that may have been broken off halfway through its updates, a piece no survivor
+    holds, or replicas that differ."""
+    if not answers:
+        return "no surviving rank answered"
+    steps = {rank: t for rank, (t, _, _) in answers.items()}
+    if len(set(steps.values())) > 1:
+        return f"the surviving ranks stand at different steps ({steps})"
+    pieces = {rank: state for rank, (_, _, state) in answers.items()}
+    for rank, (_, broke_off, state) in answers.items():
+        why = _half_updated(state) if broke_off else None
+        if why:
+            return f"rank {rank} broke off a train step, and {why}"
+    first = next(iter(pieces.values()))
+    full = {}
+    for name, (array, layout) in first.items():
+        if layout is None:
+            full[name] = array
+            continue
+        local = {}
+        for key, holders in layout.holders().items():
+            alive = [r for r in holders if r in pieces]
+            if not alive:
+                return f"no surviving rank holds piece {key} of {name!r} (held by ranks {holders})"
+            value = pieces[alive[0]][name][0]
+            if any(not np.array_equal(pieces[r][name][0], value) for r in alive[1:]):
+                return f"the surviving replicas of {name!r} differ"
+            local[alive[0]] = value
+        full[name] = layout.assemble(local)
+    return next(iter(steps.values())), full
+
+
+def _half_updated(state: dict) -> str | None:
+    """Why a rank's state may hold some of a broken-off step's updates and not others; None if not.
+
+    Paddle's train program updates each parameter right after its gradient's
+    all_reduce, so a peer's death between two all_reduces leaves the first
+    parameters updated. Adam-like optimizers count steps per parameter (their
+    beta pow accumulators): equal counts show that no update, or every update,
+    ran. Optimizers without such counts (SGD, Momentum) cannot show it.
+    """
+    counts: dict[str, set] = {}
+    for name, (array, _) in state.items():
+        for kind in ("beta1_pow_acc", "beta2_pow_acc"):
+            if kind in name:
+                counts.setdefault(kind, set()).add(float(np.asarray(array).ravel()[0]))
+    if not counts:
+        return "its optimizer keeps no per-parameter step count (Adam's beta pows) to show no update of it ran"
+    if any(len(values) > 1 for values in counts.values()):
+        return "some of its parameters were updated and others not"
+    return None

@@ -87,6 +87,12 @@ class Window:
         return len(self._steps)
 
     @property
+    def oldest(self) -> int | None:
+        """The number of the oldest step in flight (being completed, or failing); None if none."""
+        steps = self._steps
+        return steps[0].number if steps else None
+
+    @property
     def submitted(self) -> int:
         """The number the next step will get (steps sent so far, counted from ``first``)."""
         return self._count

@@ -30,6 +30,10 @@ class ModelService:
         self.collect = False  # whether the driver reads this rank's step results (set per mode)
         self._thread_device = None
         self._starts: collections.deque = collections.deque(maxlen=100_000)
+        self.trained = 0  # train steps completed since the build (the live state's position)
+        self.broke_off = False  # whether the last train step raised (a peer's death, say)
+        self._idle = threading.Event()  # no step running: the state is between two steps
+        self._idle.set()
 
     @property
     def mode(self) -> str | None:
@@ -104,7 +108,28 @@ class ModelService:
             # copies: the message's arrays may live in a channel's buffer, which
             # Ray reuses only once nothing refers to them
             staged = [np.array(a) for a in self.runner.local(message.arrays, self.rank)]
-        return self.runner.step(staged, self.collect)
+        training = self.runner.mode == "train"
+        self._idle.clear()
+        try:
+            results = self.runner.step(staged, self.collect)
+        except BaseException:
+            self.broke_off |= training
+            raise
+        finally:
+            self._idle.set()
+        if training:
+            self.trained, self.broke_off = self.trained + 1, False
+        return results
+
+    def live_state(self, wait_s: float) -> tuple[int, bool, dict] | None:
+        """After a peer died: (train steps completed, whether the last one broke off, this
+        rank's pieces of the state), read between two steps; None if a step still runs
+        after ``wait_s`` (blocked in a collective with the dead peer, say), or before a
+        train program exists. A step that broke off may have applied some of its updates:
+        Paddle interleaves the gradients' all_reduce with the parameters' updates."""
+        if self.runner is None or "train" not in self.runner.modes or not self._idle.wait(wait_s):
+            return None
+        return self.trained, self.broke_off, self.runner.state_dict("all")
 
     def take_starts(self) -> list[float]:
         starts, self._starts = self._starts, collections.deque(maxlen=100_000)
