@@ -37,8 +37,9 @@ def die_after_writing_on_rank_1():
 
 def pause_a_save_when_flagged():
     """Once the file named by $RAYDIST_TEST_FLAG exists, the next checkpoint write (of
-    whichever rank comes first) removes it, then waits 5 s after writing: a save that
-    lasts long enough for a test to lose a node in the middle of it."""
+    whichever rank comes first) removes it, then, after writing, waits 5 s, or until the
+    file named by $RAYDIST_TEST_RESUME exists: a save that lasts long enough for a test to
+    lose or add a node in the middle of it."""
     from raydist import checkpoint
 
     write = checkpoint.write_pieces
@@ -51,7 +52,10 @@ def pause_a_save_when_flagged():
             return name
         import time
 
-        time.sleep(5)
+        resume = os.environ.get("RAYDIST_TEST_RESUME")
+        deadline = time.monotonic() + (120 if resume else 5)
+        while time.monotonic() < deadline and not (resume and os.path.exists(resume)):
+            time.sleep(0.05)
         return name
 
     checkpoint.write_pieces = write_then_wait

@@ -212,21 +212,28 @@ def test_collectives_defect_dp_replicas_drift_without_the_fix():
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_the_train_program_updates_parameters_between_gradient_all_reduces():
-    """Why a step a peer's death broke off may have updated some parameters and not others
-    (raydist.driver.state._half_updated): on dp2, Paddle's train program runs adamw_ for one
-    parameter before the all_reduce of the next one's gradient. If every all_reduce comes
-    first one day, a broken-off step updates nothing, and the survivors' state is always whole."""
+@pytest.mark.parametrize("kind", ["dp", "dpmp"])
+def test_engine_behaviour_8_updates_come_between_all_reduces_and_raydist_moves_them_last(kind):
+    """Paddle's train program runs adamw_ for one parameter before the all_reduce of the
+    next one's gradient, so a step a peer's death breaks off may have updated some
+    parameters and not others. raydist's fix (compat.engine.updates_last) runs every
+    all_reduce first: the program that runs has no communication after its first update,
+    and (test_numerics) the same numbers."""
     import re
 
     import raydist
+    from raydist.protocol import RankActor
     from models import adamw, batches, build
 
-    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2) as dm:
+    with raydist.to_static(build(kind), loss=paddle.nn.MSELoss(), optimizer=adamw(),
+                           num_workers=2 if kind == "dp" else 4) as dm:  # fmt: skip
         float(dm(*batches(1)[0]))
-        ops = re.findall(r'"pd_op\.(all_reduce|adamw_)"', dm.dist_main_program("train"))
-    first_update = ops.index("adamw_")
-    assert "all_reduce" in ops[first_update:], ops
+        programs = {k: dm._client.call(RankActor.program, k, "train", ranks=[0])[0] for k in ("dist_main", "dense_main")}
+    for kind_, text in programs.items():
+        ops = re.findall(r'"(?:pd_op|custom_op)\.(all_reduce|raydist_all_reduce|adamw_)"', text)
+        after_first_update = ops[ops.index("adamw_"):]
+        communicates = any(op != "adamw_" for op in after_first_update)
+        assert communicates == (kind_ == "dist_main"), (kind_, ops)  # Paddle's interleaved; the one that runs not
 
 
 def test_engine_defect_5_eval_after_gradient_merge_runs_the_train_plan():

@@ -44,6 +44,15 @@ Paddle 3.3.1 defects answered here (``paddle/distributed/auto_parallel/api.py``
    from the PIR program. Fix: the runner hands the engine the metrics,
    `_eval` below keeps their values under known names, and `build` returns
    them to fetch.
+8. Not a defect, but a behaviour raydist cannot live with: the train program
+   updates each parameter right after its gradient's all_reduce (``adamw_``,
+   then the next ``all_reduce``, ...), so a step broken off by a peer's death
+   between two all_reduces leaves some parameters updated and others not, and
+   the survivors' state cannot be trusted. Fix: `updates_last` moves every op
+   that is not part of the update (op role Optimize) from after the first
+   update to before it, in order; same ops, same inputs, same order of the
+   collectives on every ring, so the same numbers; a step a death breaks off
+   then never updated anything.
 """
 
 from __future__ import annotations
@@ -156,6 +165,49 @@ def shard_by_strategy(optimizer, strategy, parameters):
 _DEFAULT_SHARDING_DEGREE = 8  # Strategy's default: taken as "the mesh dim's size"
 
 
+OPTIMIZE_ROLE = 2  # paddle.base.core.op_proto_and_checker_maker.OpRole.Optimize
+_COMMUNICATION = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "send",
+                  "recv", "barrier", "all_to_all", "c_", "raydist_")  # fmt: skip
+
+
+def updates_last(program) -> bool:
+    """Behaviour 8: move the communication after the first update (the later gradients'
+    all_reduce), with the ops it needs, before that update. Updates are the optimizer's
+    in-place ops (``adamw_``, ``sgd_``...); an op that reads what an update made or
+    changed stays after it. Returns whether no communication is left after the first
+    update: then a step that fails in a collective has updated nothing."""
+    ops = list(program.global_block().ops)
+    last = max((i for i, op in enumerate(ops) if _communicates(op)), default=-1)
+    first = next((i for i, op in enumerate(ops[:last]) if _updates(op)), None)
+    if first is None:
+        return True
+    anchor, made, changed = ops[first], set(), set()  # ids of ops that stay after it; of values updates change
+    for op in ops[first:last + 1]:
+        sources = [v for v in op.operands_source() if v is not None and v.initialized()]
+        if _updates(op) or any(_made_by(v) in made or v.id in changed for v in sources):
+            made.add(op.id())
+            if _updates(op):
+                changed.update(v.id for v in sources)
+            continue
+        op.move_before(anchor)
+    after = list(program.global_block().ops)
+    return not any(_communicates(op) for op in after[after.index(anchor):])
+
+
+def _updates(op) -> bool:
+    return op.op_role == OPTIMIZE_ROLE and op.name().endswith("_") and not _communicates(op)
+
+
+def _made_by(value) -> int | None:
+    op = value.get_defining_op()
+    return op.id() if op is not None else None
+
+
+def _communicates(op) -> bool:
+    name = op.name().split(".")[-1]
+    return name.startswith(_COMMUNICATION) or op.has_attr("ring_id")
+
+
 def use_mode(engine, mode: str) -> None:
     """Enter ``mode`` (built): Paddle's mode, and this mode's job plan on the executor."""
     engine.to_mode(mode)
@@ -180,6 +232,7 @@ def program(engine, kind: str, mode: str):
         "dist_startup": engine._pir_dist_startup_progs,
         "serial_main": engine._fwd_main_progs,
         "serial_startup": engine._startup_progs,
+        "dense_main": engine._pir_dense_main_progs,  # what runs (tests)
     }[kind][mode]
 
 

@@ -122,14 +122,16 @@ class ModelService:
         return results
 
     def live_state(self, wait_s: float) -> tuple[int, bool, dict] | None:
-        """After a peer died: (train steps completed, whether the last one broke off, this
-        rank's pieces of the state), read between two steps; None if a step still runs
-        after ``wait_s`` (blocked in a collective with the dead peer, say), or before a
-        train program exists. A step that broke off may have applied some of its updates:
-        Paddle interleaves the gradients' all_reduce with the parameters' updates."""
+        """After a peer died: (train steps completed, whether the last one broke off at a
+        point where it may have applied some of its updates, this rank's pieces of the
+        state), read between two steps; None if a step still runs after ``wait_s`` (blocked
+        in a collective with the dead peer, say), or before a train program exists. A step
+        that breaks off fails in a collective; once the program runs its updates last
+        (compat.engine, behaviour 8), that is before any of them."""
         if self.runner is None or "train" not in self.runner.modes or not self._idle.wait(wait_s):
             return None
-        return self.trained, self.broke_off, self.runner.state_dict("all")
+        torn = self.broke_off and not self.runner.updates_last
+        return self.trained, torn, self.runner.state_dict("all")
 
     def take_starts(self) -> list[float]:
         starts, self._starts = self._starts, collections.deque(maxlen=100_000)

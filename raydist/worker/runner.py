@@ -79,6 +79,8 @@ class StaticRunner:
         self._feed: dict[str, list[str]] = {}  # mode -> feed names
         self._plans: dict[str, ModePlan] = {}
         self.specs: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])
+        # whether a train step that fails in a collective has updated nothing (compat.engine, behaviour 8)
+        self.updates_last = False
 
     @property
     def modes(self) -> set[str]:
@@ -96,6 +98,8 @@ class StaticRunner:
             self.engine._inputs_spec = [paddle_spec(s, micro) for s in inputs]
             self.engine._labels_spec = [paddle_spec(s, micro) for s in labels]
             groups = compat_engine.build(self.engine, mode, first=not self._plans)
+            if mode == "train" and self.engine._raydist_plans[mode] is None:  # jobs (gradient merge): as built
+                self.updates_last = compat_engine.updates_last(self.engine._pir_dense_main_progs[mode])
             names = [name for group in groups for name in group]
             dist_program = self.engine._pir_dist_main_progs[mode]
             values = [dist_program.get_output_value_by_name(n) for n in names]
