@@ -100,15 +100,15 @@ class ModelService:
             # Steps may run on a thread of Ray's (compiled graphs): Paddle's device is per thread.
             paddle.set_device(self.device)
             self._thread_device = threading.get_ident()
+        training = self.runner.mode == "train"
         if message.lr:
             self.schedule.apply(message.lr)
-        if self.runner.mode == "train":
+        if training:
             self.schedule.sync()
         if isinstance(message, ArraysStep):
             # copies: the message's arrays may live in a channel's buffer, which
             # Ray reuses only once nothing refers to them
             staged = [np.array(a) for a in self.runner.local(message.arrays, self.rank)]
-        training = self.runner.mode == "train"
         self._idle.clear()
         try:
             results = self.runner.step(staged, self.collect)
