@@ -121,11 +121,12 @@ def manifest(meta: dict, files: dict[str, dict[int, str]], **info: Any) -> dict[
     return {"format": FORMAT, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **info, "tensors": tensors}
 
 
-def writers(meta: dict) -> dict[int, list[str]]:
-    """Which rank writes which tensors: one holder of each distinct piece (rank 0 for dense ones)."""
+def writers(meta: dict, holders: dict[str, list[int]]) -> dict[int, list[str]]:
+    """Which rank writes which tensors: one holder of each distinct piece (the first of
+    ``holders[name]`` for dense ones)."""
     plan: dict[int, list[str]] = {}
     for name, (_, _, layout) in meta.items():
-        for rank in layout.readers() if layout is not None else [0]:
+        for rank in layout.readers() if layout is not None else holders[name][:1]:
             plan.setdefault(rank, []).append(name)
     return plan
 
@@ -141,7 +142,7 @@ def assemble(directory: str, tensors: dict[str, Any]) -> dict[str, np.ndarray]:
                 cache[file] = read_pieces(directory, file)
             pieces[int(rank)] = cache[file][name]
         layout = layout_from_json(entry["layout"])
-        out[name] = pieces[0] if layout is None else layout.assemble(pieces)
+        out[name] = next(iter(pieces.values())) if layout is None else layout.assemble(pieces)
     return out
 
 

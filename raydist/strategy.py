@@ -37,12 +37,6 @@ def check(strategy: Any, use_gpu: bool) -> None:
         warnings.warn("Paddle 3.3.1's static engine (PIR) ignores strategy.dp_optimization", stacklevel=3)
     if use_gpu:
         return
-    if strategy.pipeline.enable:
-        raise UsageError(
-            "strategy.pipeline is not supported on CPU: Paddle's CPU send/recv kernels are stubs (a 2-stage "
-            "pipeline segfaults), and gloo's broadcast cannot stand in for them soundly (1F1B and VPP send "
-            "both ways at once). Run pipelines with use_gpu=True, or use dp/mp/sharding on CPU."
-        )
     if strategy.amp.enable:
         raise UsageError(
             f"strategy.amp ({strategy.amp.dtype}) is not supported on CPU: Paddle 3.3.1's CPU build has no "
@@ -59,19 +53,6 @@ def check(strategy: Any, use_gpu: bool) -> None:
             )
 
 
-def check_meshes(meshes: list, use_gpu: bool) -> None:
-    """Refuse, on CPU, a model whose parameters live on disjoint meshes (pipeline stages):
-    moving activations between them takes Paddle's send/recv, whose CPU kernels
-    are stubs. ``meshes``: `raydist.topology.Mesh` of the layer's parameters."""
-    if not use_gpu and stages(meshes):
-        ids = " and ".join(str(list(m.process_ids)) for m in meshes)
-        raise UsageError(
-            f"the model's parameters are on disjoint meshes (processes {ids}: pipeline stages), which is not "
-            "supported on CPU: moving activations between them takes Paddle's send/recv, whose CPU kernels are "
-            "stubs. Run it with use_gpu=True."
-        )
-
-
 def micro_batches(strategy: Any, mode: str) -> int:
     """How many micro-batches a step of ``mode`` splits each rank's batch into.
 
@@ -84,3 +65,35 @@ def micro_batches(strategy: Any, mode: str) -> int:
     if merge.enable and (mode == "train" or pipeline.enable):
         return int(merge.k_steps)
     return int(pipeline.accumulate_steps) if pipeline.enable else 1
+
+
+def pipeline_stages(strategy: Any, meshes: list, world_size: int) -> None:
+    """Check a pipeline's stages against what Paddle's schedules assume; fill in
+    ``strategy.pipeline.pp_degree`` when it was left at its default (1).
+
+    Paddle places rank r in stage ``r // (world_size // pp_degree)``
+    (``get_pp_stage_by_rank``) and orders each stage's jobs by it, whatever the
+    model's meshes say. Stages given otherwise would deadlock, so they are
+    refused. ``meshes``: `raydist.topology.Mesh` of the layer's parameters, in order.
+    """
+    if strategy is None or not strategy.pipeline.enable:
+        return
+    order: list[tuple[int, ...]] = []
+    for mesh in meshes:
+        ranks = tuple(sorted(mesh.process_ids))
+        if ranks not in order:
+            order.append(ranks)
+    if not stages(meshes):
+        return  # one stage: the schedule only splits the batch into micro-batches
+    pipeline = strategy.pipeline
+    if pipeline.pp_degree == 1:
+        pipeline.pp_degree = len(order)
+    size = world_size // pipeline.pp_degree
+    expected = [tuple(range(k * size, (k + 1) * size)) for k in range(pipeline.pp_degree)]
+    if order != expected or world_size % pipeline.pp_degree:
+        raise UsageError(
+            f"strategy.pipeline.pp_degree is {pipeline.pp_degree} and the group has {world_size} ranks, so Paddle's "
+            f"schedules put ranks {expected} in stages 0.."
+            f"{pipeline.pp_degree - 1}, but the model's stages (its parameters' meshes, in order) are on ranks "
+            f"{order}: place stage k on ranks k*{size} .. (k+1)*{size}-1"
+        )

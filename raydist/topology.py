@@ -119,12 +119,22 @@ class ModePlan:
     """What a mode's step fetches: the layout of each fetched value on the mesh, and how
     they group (predict: the outputs; train: the loss; eval: the loss, then each metric's values)."""
 
-    layouts: list[Layout]
+    layouts: list[Layout | None]  # None: this rank holds no piece of the value (another pipeline stage's)
     groups: tuple[int, ...] = ()
 
     def readers(self) -> set[int]:
         """The ranks whose results a step reads: one per distinct piece of each fetched value."""
-        return {r for layout in self.layouts for r in layout.readers()}
+        return {r for layout in self.layouts if layout is not None for r in layout.readers()}
+
+    @classmethod
+    def merge(cls, plans: Sequence[ModePlan]) -> ModePlan:
+        """The whole plan from every rank's: each value's layout from the ranks that hold it."""
+        layouts = [next((p.layouts[i] for p in plans if p.layouts[i] is not None), None)
+                   for i in range(len(plans[0].layouts))]  # fmt: skip
+        missing = [i for i, layout in enumerate(layouts) if layout is None]
+        if missing:
+            raise RuntimeError(f"no rank holds the fetched values {missing}")
+        return cls(layouts, plans[0].groups)
 
 
 def _concat(pieces: Mapping[tuple[int, ...], np.ndarray], dims: Sequence[int]) -> np.ndarray:

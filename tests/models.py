@@ -88,11 +88,62 @@ def batches(n: int, batch: int = 8, seed: int = 1) -> list[tuple[np.ndarray, np.
     return [(rng.randn(batch, IN).astype("float32"), rng.randn(batch, OUT).astype("float32")) for _ in range(n)]
 
 
+class Block(paddle.nn.Layer):
+    """Linear -> tanh: one pipeline segment (``vpp_seg_method="Block"``)."""
+
+    def __init__(self, width_in: int, width_out: int):
+        super().__init__()
+        self.fc = paddle.nn.Linear(width_in, width_out)
+
+    def forward(self, x):
+        return paddle.tanh(self.fc(x))
+
+
+class Chain(paddle.nn.Layer):
+    """Blocks from IN to OUT features; block i on ``stages[i % len(stages)]`` (pipeline stages:
+    activations cross with ``dist.reshard``, as Paddle's docs build them; more blocks than
+    stages: VPP's chunks). Parameters are replicated on each stage's mesh, activations split
+    along its "dp" dim if it has one."""
+
+    def __init__(self, stages: list | None = None, blocks: int = 2, seed: int = 0):
+        super().__init__()
+        widths = [IN] + [HIDDEN] * (blocks - 1) + [OUT]
+        self.blocks = paddle.nn.LayerList([Block(a, b) for a, b in zip(widths, widths[1:])])
+        self.stages = stages
+        rng = np.random.RandomState(seed)
+        for i, block in enumerate(self.blocks):
+            for attr in ("weight", "bias"):
+                param = getattr(block.fc, attr)
+                param.set_value((rng.randn(*param.shape) * 0.3).astype("float32"))
+                if stages:
+                    mesh = stages[i % len(stages)]
+                    setattr(block.fc, attr, dist.shard_tensor(param, mesh, [Replicate()] * len(mesh.shape)))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if self.stages:  # rows stay split over a stage's "dp" ranks
+                mesh = self.stages[i % len(self.stages)]
+                x = dist.reshard(x, mesh, [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names])
+            x = block(x)
+        return x
+
+
+def build_chain(stages: list[list], blocks: int | None = None, dim: str = "pp"):
+    """A build_layer for raydist: `Chain` on stages of the given ranks (each a list: a
+    data-parallel stage if longer than one)."""
+
+    def build_layer():
+        meshes = [dist.ProcessMesh(ranks, dim_names=["dp"] if len(ranks) > 1 else [dim]) for ranks in stages]
+        return Chain(meshes, blocks or len(stages))
+
+    return build_layer
+
+
 class Reference:
     """The same model in this one plain process: the numbers raydist must match."""
 
-    def __init__(self, optimizer=None, seed: int = 0):
-        self.net = MLP(seed=seed)
+    def __init__(self, optimizer=None, seed: int = 0, net: paddle.nn.Layer | None = None):
+        self.net = net if net is not None else MLP(seed=seed)
         self.opt = optimizer(self.net.parameters()) if optimizer else None
         self.loss_fn = paddle.nn.MSELoss()
 

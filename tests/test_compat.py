@@ -5,6 +5,7 @@ then drop or update the fix in raydist/compat (and this test).
 """
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -288,7 +289,8 @@ def test_engine_defect_6_the_strategys_sharding_section_is_ignored(tmp_path):
         assert f"[rank {rank}] reduce_scatter: False moment rows: 4" in out.getvalue(), out.getvalue()
 
 
-def test_pipeline_refusal_cpu_send_and_recv_kernels_are_stubs():
+def test_collectives_defect_cpu_send_and_recv_kernels_are_stubs():
+    """Behind raydist_send_/raydist_recv_ (pipeline stages): Paddle's CPU kernels only throw."""
     out = run_plain_paddle(
         """
         import paddle
@@ -303,6 +305,38 @@ def test_pipeline_refusal_cpu_send_and_recv_kernels_are_stubs():
         """
     )
     assert "Do not support send for cpu kernel now" in out and "Do not support recv for cpu kernel now" in out, out
+
+
+def test_stages_defect_resharding_another_stages_parameter_segfaults_on_cpu():
+    """Behind raydist.compat.stages: core.reshard of a tensor on a mesh without this
+    process (what init_pir does with every other stage's parameter) kills the process."""
+    code = """
+        import paddle, paddle.distributed as dist
+        from paddle.base.core import TensorDistAttr
+        mesh = dist.ProcessMesh([1], dim_names=["pp"])  # this process is rank 0
+        param = dist.shard_tensor(paddle.ones([3]), mesh, [dist.Replicate()])
+        attr = TensorDistAttr()
+        attr.process_mesh, attr.dims_mapping = mesh, [-1]
+        print("held:", param._is_initialized(), flush=True)
+        paddle.base.core.reshard(param, attr)
+        print("reshard returned", flush=True)
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=100, env={**os.environ, "GLOG_minloglevel": "3"})  # fmt: skip
+    assert "held: False" in result.stdout and "reshard returned" not in result.stdout, result.stdout
+    assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stderr[-2000:])
+
+
+def test_pipeline_stages_are_paddles_rank_blocks():
+    """What raydist.strategy.pipeline_stages checks models against: Paddle puts rank r in
+    stage r // (world_size // pp_degree), whatever the meshes say."""
+    import inspect
+
+    from paddle.distributed.auto_parallel.static import utils
+
+    source = inspect.getsource(utils.get_pp_stage_by_rank)
+    assert "pp_group_size = word_size // pp_degree" in source and "pp_stage = rank // pp_group_size" in source
+    assert paddle.distributed.Strategy().pipeline.pp_degree == 1
 
 
 def test_refusal_amp_cpu_has_no_half_precision_matmul():

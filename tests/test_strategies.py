@@ -153,9 +153,6 @@ def _strategy(**sections) -> dist.Strategy:
 @pytest.mark.parametrize(
     "strategy, match",
     [
-        (_strategy(pipeline={"enable": True, "schedule_mode": "FThenB", "accumulate_steps": 2}), "pipeline"),
-        (_strategy(pipeline={"enable": True, "schedule_mode": "1F1B"}), "pipeline"),
-        (_strategy(pipeline={"enable": True, "schedule_mode": "VPP", "vpp_degree": 2}), "pipeline"),
         (_strategy(amp={"enable": True, "dtype": "float16", "level": "o1"}), "amp"),
         (_strategy(amp={"enable": True, "dtype": "bfloat16", "level": "o2", "use_master_grad": True}), "amp"),
         (_strategy(mp_optimization={"replace_with_c_embedding": True}), "replace_with_c_embedding"),
@@ -193,28 +190,3 @@ def test_fused_passes_change_nothing_on_cpu():
             train_and_compare(dm, Reference(sgd()), batches(3))
             programs[enable] = dm.dist_main_program()
     assert programs[True] == programs[False]
-
-
-class TwoStages(paddle.nn.Layer):
-    """fc1 on rank 0, fc2 on rank 1: pipeline stages, without the pipeline section."""
-
-    def __init__(self):
-        super().__init__()
-        self.stages = dist.ProcessMesh([0], dim_names=["pp"]), dist.ProcessMesh([1], dim_names=["pp"])
-        self.fc1, self.fc2 = paddle.nn.Linear(12, 24), paddle.nn.Linear(24, 6)
-        for layer, mesh in ((self.fc1, self.stages[0]), (self.fc2, self.stages[1])):
-            layer.weight = dist.shard_tensor(layer.weight, mesh, [Replicate()])
-            layer.bias = dist.shard_tensor(layer.bias, mesh, [Replicate()])
-
-    def forward(self, x):
-        return self.fc2(dist.reshard(paddle.tanh(self.fc1(x)), self.stages[1], [Replicate()]))
-
-
-def test_a_model_on_disjoint_meshes_is_refused_on_cpu_and_its_ranks_stopped():
-    def live():
-        return sum(pg["state"] != "REMOVED" for pg in placement_group_table().values())
-
-    before = live()
-    with pytest.raises(raydist.UsageError, match=r"disjoint meshes .*send/recv"):
-        raydist.to_static(TwoStages, loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    assert live() == before

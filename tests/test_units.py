@@ -166,7 +166,12 @@ def test_elastic_sizes_split_the_loaders_shards_evenly():
 
 
 def test_the_survivors_state_is_assembled_only_when_they_hold_all_of_it_at_one_step():
-    from raydist.driver.state import assemble_live
+    from raydist.driver import state as driver_state
+
+    names = {"w", "b", "w_beta1_pow_acc_0", "b_beta1_pow_acc_0"}
+
+    def assemble_live(answers, names=names):
+        return driver_state.assemble_live(answers, names)
 
     mesh = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
     w = np.arange(8.0).reshape(2, 4)
@@ -192,4 +197,34 @@ def test_the_survivors_state_is_assembled_only_when_they_hold_all_of_it_at_one_s
     assert assemble_live({2: answer(2, broke_off=True), 3: answer(3)})[0] == 3
     assert "some of its parameters were updated" in assemble_live({2: answer(2, broke_off=True, pows=(0.81, 0.9)),
                                                                    3: answer(3)})  # fmt: skip
-    assert "no per-parameter step count" in assemble_live({2: answer(2, broke_off=True, pows=()), 3: answer(3)})
+    assert "no per-parameter step count" in assemble_live({2: answer(2, broke_off=True, pows=()), 3: answer(3)},
+                                                          {"w", "b"})  # fmt: skip
+    # a tensor only a dead pipeline stage held
+    assert "no surviving rank holds ['v']" in assemble_live({2: answer(2), 3: answer(3)}, names | {"v"})
+
+
+def test_pipeline_stages_fill_in_pp_degree_and_refuse_what_paddles_schedules_would_deadlock_on():
+    import paddle.distributed as dist
+
+    from raydist.errors import UsageError
+    from raydist.strategy import pipeline_stages
+
+    def strategy(**more):
+        return dist.Strategy({"pipeline": {"enable": True, "schedule_mode": "1F1B", **more}})
+
+    two = strategy()
+    pipeline_stages(two, [Mesh.of([0], ["pp"]), Mesh.of([1], ["pp"])], 2)
+    assert two.pipeline.pp_degree == 2
+    by_dp = strategy()
+    pipeline_stages(by_dp, [Mesh.of([0, 1], ["dp"]), Mesh.of([2, 3], ["dp"]), Mesh.of([0, 1], ["dp"])], 4)
+    assert by_dp.pipeline.pp_degree == 2  # VPP: a stage's mesh comes back for its next chunk
+    one = strategy()
+    pipeline_stages(one, [MESH], 4)  # one stage: nothing to check
+    assert one.pipeline.pp_degree == 1
+    with pytest.raises(UsageError, match=r"stages .*are on ranks \[\(1,\), \(0,\)\]"):
+        pipeline_stages(strategy(), [Mesh.of([1], ["pp"]), Mesh.of([0], ["pp"])], 2)  # stage 0 on rank 1
+    with pytest.raises(UsageError, match="pp_degree is 3"):
+        pipeline_stages(strategy(pp_degree=3), [Mesh.of([0], ["pp"]), Mesh.of([1], ["pp"])], 2)
+    with pytest.raises(UsageError, match="group has 4 ranks"):  # ranks 2, 3 in no stage
+        pipeline_stages(strategy(), [Mesh.of([0], ["pp"]), Mesh.of([1], ["pp"])], 4)
+    pipeline_stages(None, [Mesh.of([1], ["pp"]), Mesh.of([0], ["pp"])], 2)  # no pipeline section: no schedule

@@ -8,6 +8,7 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 
 - `rings`: auto-parallel process groups on CPU/gloo (CPU builds only).
 - `collectives`: collectives that pick their gloo ring by id (CPU builds only).
+- `stages`: parameters of other pipeline stages at initialisation (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
 """
 
@@ -54,11 +55,11 @@ def apply(use_gpu: bool) -> list[str]:
             stacklevel=2,
         )
     disabled = {s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()}
-    from . import collectives, engine, rings
+    from . import collectives, engine, rings, stages
 
     fixes = [("engine", engine.apply)]
     if not use_gpu:
-        fixes += [("rings", rings.apply), ("collectives", collectives.apply)]
+        fixes += [("rings", rings.apply), ("collectives", collectives.apply), ("stages", stages.apply)]
     applied = []
     for name, fix in fixes:
         if name not in disabled:

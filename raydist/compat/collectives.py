@@ -17,6 +17,19 @@ collective with a custom op (``csrc/collective.cc``) that looks its ring up in
 CommContextManager by id. gloo in Paddle has no reduce-scatter; the custom op
 all-reduces and keeps the local rows.
 
+Second defect: the CPU kernels of ``send_v2``/``recv_v2`` (which carry
+activations and gradients between pipeline stages, one ring per ordered pair
+of ranks) only throw "Do not support send/recv for cpu kernel now". Fix:
+``raydist_send_``/``raydist_recv_`` (``csrc/p2p.cc``) over the same gloo rings;
+a send is queued and sent by a thread of its ring, because 1F1B and VPP have
+both neighbours send before either receives, and a gloo send waits for its
+receiver. `flush` ends each step: every send went out, or its error is raised.
+Paddle's pipeline passes route send_v2/recv_v2 into their jobs by name and tie
+jobs with events recorded by them, so with ``strategy.pipeline`` the rewrite
+waits until the pass has split the program, then rewrites every job and drops
+the waits for events the replaced ops would have recorded (on CPU the jobs run
+one after the other).
+
 The custom ops are compiled once per machine and Paddle version into
 ``$RAYDIST_CACHE_DIR`` (default ``~/.cache/raydist``), under a file lock so
 co-located ranks do not compile at the same time.
@@ -56,14 +69,17 @@ REPLACEMENTS = {
 # wrong ring, or have no kernel at all.
 UNSUPPORTED = {
     "pd_op.all_to_all", "pd_op.c_concat", "pd_op.c_scatter", "pd_op.reduce", "pd_op.c_reduce_sum",
-    "pd_op.send_v2", "pd_op.recv_v2", "pd_op.p_send", "pd_op.p_recv", "pd_op.p_send_array",
+    "pd_op.p_send", "pd_op.p_recv", "pd_op.p_send_array",
     "pd_op.p_recv_array", "pd_op.c_softmax_with_cross_entropy", "pd_op.c_allgather",
     "pd_op.c_broadcast", "pd_op.c_broadcast_",
 }  # fmt: skip
 
 _NAME = "raydist_collective"
 _loaded = False
+_library: str | None = None
 _applied = False
+_p2p = 0  # point-to-point ops rewritten in this process (then steps flush their sends)
+_deferring_p2p = False  # inside a pipeline's _parallel_pir: send/recv are rewritten in its jobs
 
 
 def cache_dir() -> Path:
@@ -78,8 +94,8 @@ def load_ops() -> None:
     from paddle.utils.cpp_extension import load
     from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
-    source = _CSRC / "collective.cc"
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    sources = [_CSRC / "collective.cc", _CSRC / "p2p.cc"]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:12]
     build = cache_dir() / f"ops-paddle{paddle.__version__}-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     library = build / _NAME / f"{_NAME}.so"
@@ -87,10 +103,12 @@ def load_ops() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():
             load_op_meta_info_and_register_op(str(library))
-        else:
+        else:  # compile
             with contextlib.redirect_stdout(io.StringIO()):  # Paddle prints "Compiling ..."
-                load(name=_NAME, sources=[str(source)], extra_include_paths=[str(_CSRC / "gloo_stub")],
+                load(name=_NAME, sources=[str(s) for s in sources], extra_include_paths=[str(_CSRC / "gloo_stub")],
                      build_directory=str(build), verbose=False)  # fmt: skip
+    global _library
+    _library = str(library)
     _loaded = True
 
 
@@ -101,8 +119,10 @@ def _blocks(block):
             yield from _blocks(sub)
 
 
-def rewrite(program) -> int:
-    """Replace the collectives of ``program`` in place; returns how many."""
+def rewrite(program, p2p: bool = True) -> int:
+    """Replace the collectives of ``program`` in place (and its send/recv if ``p2p``);
+    returns how many."""
+    global _p2p
     load_ops()
     count = 0
     with paddle.static.program_guard(program):
@@ -114,6 +134,12 @@ def rewrite(program) -> int:
                         f"raydist cannot run Paddle's {name} on CPU: gloo has no correct kernel for it "
                         "here. The parallel strategy that needs it is not supported on CPU."
                     )
+                if name in _P2P:
+                    if p2p:
+                        _P2P[name](op)
+                        _p2p += 1
+                        count += 1
+                    continue
                 if name not in REPLACEMENTS:
                     continue
                 new_name, params = REPLACEMENTS[name]
@@ -121,15 +147,59 @@ def rewrite(program) -> int:
                 args = [attrs[p] if isinstance(p, str) else p for p in params]
                 pir.set_insertion_point(op)
                 new = paddle._C_ops._run_custom_op(new_name, op.operand_source(0), *args)
-                new = new[0] if isinstance(new, (list, tuple)) else new
-                new_op = new.get_defining_op()
-                new_op.op_role = op.op_role
-                new_op.chunk_id = op.chunk_id
-                op.result(0).replace_all_uses_with(new)
-                op.erase()
+                _replace(op, new)
                 count += 1
             pir.set_insertion_point_to_block_end(block)
     return count
+
+
+def _replace(op, new) -> None:
+    new = new[0] if isinstance(new, (list, tuple)) else new
+    new_op = new.get_defining_op()
+    new_op.op_role = op.op_role
+    new_op.chunk_id = op.chunk_id
+    if op.num_results():
+        op.result(0).replace_all_uses_with(new)
+    op.erase()
+
+
+def _send(op) -> None:
+    attrs = op.attrs()
+    pir.set_insertion_point(op)
+    _replace(op, paddle._C_ops._run_custom_op("raydist_send_", op.operand_source(0), attrs["ring_id"], attrs["peer"]))
+
+
+def _recv(op) -> None:
+    attrs = op.attrs()
+    pir.set_insertion_point(op)
+    buffer = paddle.full(attrs["out_shape"], 0, attrs["dtype"])
+    buffer.get_defining_op().op_role = op.op_role
+    _replace(op, paddle._C_ops._run_custom_op("raydist_recv_", buffer, attrs["ring_id"], attrs["peer"]))
+
+
+_P2P = {"pd_op.send_v2": _send, "pd_op.recv_v2": _recv}
+
+
+def _forget_events(program, gone: set[str]) -> None:
+    """Drop the waits for events of replaced send/recv ops. Pipeline passes make an op of
+    one job wait for an event the send/recv of another records (streams, on GPU); a
+    custom op records none, and on CPU the jobs run one after the other anyway."""
+    for op in program.global_block().ops:
+        if op.has_attr("events_to_wait"):
+            waits = list(op.attrs()["events_to_wait"])
+            if set(waits) & gone:
+                op.set_str_array_attr("events_to_wait", [e for e in waits if e not in gone])
+
+
+def flush() -> None:
+    """Wait until this rank's pipeline sends went out; raise the first that failed."""
+    if not _p2p:
+        return
+    import ctypes
+
+    error = ctypes.create_string_buffer(2048)
+    if ctypes.CDLL(_library).raydist_p2p_flush(error, len(error)) != 0:
+        raise RuntimeError(f"a pipeline send failed: {error.value.decode(errors='replace')}")
 
 
 def apply() -> None:
@@ -140,13 +210,44 @@ def apply() -> None:
 
     expect_source(engine.Engine._parallel_pir, "remove_unuseful_comm_op_pass(dense_program)", fix="collectives")
     expect_source(engine.Engine._initialize, "remove_unuseful_comm_op_pass(startup_prog)", fix="collectives")
+    expect_source(engine.Engine._parallel_pir, "self._job_plan = pipeline_pass(", fix="collectives")
+    from paddle.distributed.passes.pipeline_scheduler_pass import pipeline_1f1b, pipeline_pass_base
+
+    expect_source(pipeline_1f1b.Pipeline1F1BPass._partial_pir_programs, 'op.name() == "pd_op.send_v2"',
+                  fix="collectives")  # fmt: skip
+    expect_source(pipeline_pass_base.PipelinePassBase._add_dependency, '"event_to_record"', '"events_to_wait"',
+                  fix="collectives")  # fmt: skip
     load_ops()
     original = engine.remove_unuseful_comm_op_pass
+    original_pipeline_pass = engine.pipeline_pass
+    original_parallel = engine.Engine._parallel_pir
 
     def remove_unuseful_comm_op_pass(program, *args, **kwargs):
         result = original(program, *args, **kwargs)
-        rewrite(program)
+        rewrite(program, p2p=not _deferring_p2p)
         return result
 
+    # Paddle's pipeline passes route send_v2/recv_v2 into their jobs by name: the
+    # dense program keeps them, and every job program is rewritten after the pass.
+    def pipeline_pass(*args, **kwargs):
+        plan = original_pipeline_pass(*args, **kwargs)
+        programs = [plan.ir_program(job_type) for job_type in plan.job_types()]
+        gone = {op.attrs()["event_to_record"] for p in programs for op in p.global_block().ops
+                if op.name() in _P2P and op.has_attr("event_to_record")}  # fmt: skip
+        for program in programs:
+            rewrite(program)
+            _forget_events(program, gone)
+        return plan
+
+    def _parallel_pir(self, *args, **kwargs):
+        global _deferring_p2p
+        _deferring_p2p = bool(self._strategy.pipeline.enable)
+        try:
+            return original_parallel(self, *args, **kwargs)
+        finally:
+            _deferring_p2p = False
+
     engine.remove_unuseful_comm_op_pass = remove_unuseful_comm_op_pass
+    engine.pipeline_pass = pipeline_pass
+    engine.Engine._parallel_pir = _parallel_pir
     _applied = True

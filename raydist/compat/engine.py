@@ -249,12 +249,20 @@ def local_state(model, mode: str) -> dict[str, tuple]:
     for var, tensor in program.state_dict(mode, paddle.static.global_scope()).items():
         array = np.array(tensor)
         attr = attrs.get(var)
+        name = to_structured.get(var) or var.replace(_DIST, "_", 1)
         if attr is not None and len(attr["dims_mapping"]) == array.ndim:
             mesh = (tuple(attr["process_shape"]), tuple(attr["process_group"]), tuple(attr["dim_names"]))
-            out[to_structured.get(var, var)] = (var, array, mesh, tuple(attr["dims_mapping"]))
+            out[name] = (var, array, mesh, tuple(attr["dims_mapping"]))
         else:  # e.g. AdamW's [1]-shaped beta powers with a 0-d attribute: the same on every rank
-            out[to_structured.get(var, var)] = (var, array, None, None)
+            out[name] = (var, array, None, None)
     return out
+
+
+# A parameter on a mesh is named "<name>.dist" in the programs, and so is its optimizer
+# state ("linear_0.w_0.dist_moment1_0"); without a mesh it is "linear_0.w_0_moment1_0",
+# as in dygraph's optimizer.state_dict(). State keeps the latter: a checkpoint of a model
+# on meshes then loads into one without, and back.
+_DIST = ".dist_"
 
 
 def _initialize_as_train(engine) -> None:

@@ -23,7 +23,7 @@ from ..messages import ArraysStep, LoaderStep, LrChange, StepMessage
 from ..protocol import RankActor
 from ..specs import from_input_spec
 from ..strategy import check as check_strategy
-from ..strategy import check_meshes, micro_batches
+from ..strategy import micro_batches
 from ..topology import Mesh, ModePlan, stages
 from .client import RankClient
 from .connect import init_ray
@@ -174,7 +174,6 @@ class DistModel:
         self._finalizer = weakref.finalize(self, self._client.close)
         try:
             report = self._client.call(RankActor.build, ray.put(self._payload))[0]
-            check_meshes(report.meshes, self._config.use_gpu)
         except BaseException:
             self._client.close()
             raise
@@ -261,7 +260,7 @@ class DistModel:
         hold all of it at the last train step the driver saw complete."""
         if group is not self._client.group or "train" not in self._plans:
             return
-        found = live_state(group.actors)
+        found = live_state(group.actors, self._state.names)
         if isinstance(found, str):
             log.warning("raydist: %s: a restart goes back to the last checkpoint", found)
             return
@@ -357,10 +356,12 @@ class DistModel:
             self._client.call(RankActor.set_specs, specs[0] or [], specs[1] or [])
             self._rank_specs, self._rank_mode = specs, None
         if self._rank_mode != mode:
-            self._plans[mode] = self._client.call(RankActor.set_mode, mode)[0]
+            new = mode not in self._plans
+            self._plans[mode] = ModePlan.merge(self._client.call(RankActor.set_mode, mode))
             self._rank_mode = mode
             self._specs.accept(specs, mode)
-            self._state.restore_built("train" in self._plans)  # a checkpoint's tensors this program brought
+            if new:
+                self._state.built("train" in self._plans)  # a checkpoint's tensors this program brought
 
     # -- steps -----------------------------------------------------------------
 

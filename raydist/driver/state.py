@@ -5,7 +5,7 @@ hands full values back for every rank to keep its shard (`set_state_dict`),
 and orchestrates checkpoints: every rank writes its own shards, the driver
 writes the manifest and commits (`raydist.checkpoint`). A checkpoint's
 optimizer state that the model does not have yet (before its train program
-is built) is restored when it is built (`ModelState.restore_built`).
+is built) is restored when it is built (`ModelState.built`).
 After a rank died, `live_state` reads what its surviving peers hold, for a
 restart that loses nothing but the failed steps.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import logging
+
 import numpy as np
 import ray
 
@@ -21,6 +23,8 @@ from .. import checkpoint
 from ..protocol import RankActor
 from .client import RankClient
 from .group import call_on
+
+log = logging.getLogger(__name__)
 
 # How long the survivors of a rank's death have to finish or break off their step
 # and hand over their state; past it, the group is torn down without it.
@@ -35,20 +39,24 @@ class ModelState:
         self.has_optimizer = has_optimizer
         self.last_checkpoint: str | None = None  # the latest saved or loaded, for restart()
         self._pending: tuple[str, dict] | None = None  # (path, {name: manifest entry}) still to restore
+        self.names: set[str] = set()  # every tensor of the state, as of the last build
 
     def meta(self, mode: str = "all") -> dict[str, tuple]:
-        """{name: (global shape, dtype, layout)} of the state, from rank 0."""
-        return self.client.call(RankActor.state_meta, mode, ranks=[0])[0]
+        """{name: (global shape, dtype, layout)} of the state."""
+        return self._meta(mode)[0]
+
+    def _meta(self, mode: str) -> tuple[dict[str, tuple], dict[str, list[int]]]:
+        # each rank knows its own tensors: a pipeline stage's are on its ranks only
+        meta: dict[str, tuple] = {}
+        holders: dict[str, list[int]] = {}
+        for rank, mine in enumerate(self.client.call(RankActor.state_meta, mode)):
+            for name, entry in mine.items():
+                meta.setdefault(name, entry)
+                holders.setdefault(name, []).append(rank)
+        return meta, holders
 
     def state_dict(self, mode: str) -> dict[str, np.ndarray]:
-        pieces = self.client.call(RankActor.state_dict, mode)
-        state = {}
-        for name, (array, layout) in pieces[0].items():
-            if layout is None:
-                state[name] = array
-            else:
-                state[name] = layout.assemble({r: pieces[r][name][0] for r in layout.readers()})
-        return state
+        return _full(dict(enumerate(self.client.call(RankActor.state_dict, mode))))
 
     def set_state_dict(self, state: dict[str, Any]) -> None:
         meta = self.meta()
@@ -75,8 +83,8 @@ class ModelState:
         """
         if checkpoint.exists(path):
             raise ValueError(f"{path} exists: raydist never overwrites a checkpoint; save to a new directory")
-        meta = self.meta()
-        plan = checkpoint.writers(meta)
+        meta, holders = self._meta("all")
+        plan = checkpoint.writers(meta, holders)
         staged = checkpoint.staging_dir(path)
         ranks = sorted(plan)
         try:
@@ -108,10 +116,13 @@ class ModelState:
         self.last_checkpoint = path
         return manifest
 
-    def restore_built(self, train_built: bool) -> None:
-        """A mode was just built: restore what it brought of a checkpoint being loaded."""
+    def built(self, train_built: bool) -> None:
+        """A mode was just built: note the state's tensors, restore what it brought of a
+        checkpoint being loaded."""
+        meta = self.meta()
+        self.names = set(meta)
         if self._pending is not None:
-            self._restore(self.meta(), train_built)
+            self._restore(meta, train_built)
 
     def _restore(self, meta: dict, train_built: bool) -> None:
         path, tensors = self._pending
@@ -119,10 +130,23 @@ class ModelState:
         if now:
             self.client.call(RankActor.load_state, path, now)
         if not tensors or not self.has_optimizer or train_built:
+            if tensors and self.has_optimizer:
+                log.warning("raydist: %s holds tensors this model does not have; not loaded: %s", path, sorted(tensors))
             self._pending = None  # what is left, this model will never have
 
 
-def live_state(actors: list) -> tuple[int, dict[str, np.ndarray]] | str:
+def _full(pieces: dict[int, dict]) -> dict[str, np.ndarray]:
+    """Full tensors from ranks' ``{rank: {name: (local, layout)}}`` (each holds its own)."""
+    full = {}
+    for rank, state in pieces.items():
+        for name, (array, layout) in state.items():
+            if name in full:
+                continue
+            full[name] = array if layout is None else layout.assemble({r: pieces[r][name][0] for r in layout.readers()})
+    return full
+
+
+def live_state(actors: list, names: set[str]) -> tuple[int, dict[str, np.ndarray]] | str:
     """After a rank died: the FULL state its surviving peers hold, and the train steps it is
     after; or, if they do not hold all of it, why not.
 
@@ -140,14 +164,14 @@ def live_state(actors: list) -> tuple[int, dict[str, np.ndarray]] | str:
                 continue
             if answer is not None:
                 answers[rank] = answer
-    return assemble_live(answers)
+    return assemble_live(answers, names)
 
 
-def assemble_live(answers: dict[int, tuple[int, bool, dict]]) -> tuple[int, dict[str, np.ndarray]] | str:
-    """The full state from the surviving ranks' ``{rank: (train steps, broke off, {name: (local,
-    layout)})}``; or why it cannot be had: no survivor, survivors at different steps, a
-    step that may have been broken off halfway through its updates, a piece no survivor
-    holds, or replicas that differ."""
+def assemble_live(answers: dict[int, tuple[int, bool, dict]], names: set[str]) -> tuple[int, dict[str, np.ndarray]] | str:
+    """The full state (tensors ``names``) from the surviving ranks' ``{rank: (train steps,
+    broke off, {name: (local, layout)})}``; or why it cannot be had: no survivor, survivors
+    at different steps, a step that may have been broken off halfway through its updates,
+    a piece or a tensor no survivor holds, or replicas that differ."""
     if not answers:
         return "no surviving rank answered"
     steps = {rank: t for rank, (t, _, _) in answers.items()}
@@ -158,9 +182,12 @@ def assemble_live(answers: dict[int, tuple[int, bool, dict]]) -> tuple[int, dict
         why = _half_updated(state) if broke_off else None
         if why:
             return f"rank {rank} broke off a train step, and {why}"
-    first = next(iter(pieces.values()))
+    missing = sorted(names - {name for state in pieces.values() for name in state})
+    if missing:
+        return f"no surviving rank holds {missing}"
     full = {}
-    for name, (array, layout) in first.items():
+    for name in names:
+        array, layout = next(state[name] for state in pieces.values() if name in state)
         if layout is None:
             full[name] = array
             continue

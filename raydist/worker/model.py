@@ -13,6 +13,7 @@ from .. import pickling
 from ..errors import UsageError
 from ..messages import ArraysStep, BuildReport, StepMessage
 from ..specs import TensorSpec
+from ..strategy import pipeline_stages
 from ..topology import Mesh, ModePlan
 from .runner import StaticRunner
 from .schedule import RankSchedule
@@ -57,6 +58,7 @@ class ModelService:
                 f"the model's mesh uses processes {beyond}, but the group has {self.world_size} ranks "
                 f"(num_workers={self.world_size}): raise num_workers to {max(beyond) + 1}"
             )
+        pipeline_stages(strategy, meshes, self.world_size)
         optimizer = optimizer_factory(layer.parameters()) if optimizer_factory is not None else None
         if optimizer is not None and not isinstance(optimizer, paddle.optimizer.Optimizer):
             inner = getattr(optimizer, "_inner_opt", None)  # dist.shard_optimizer's wrapper
@@ -158,4 +160,5 @@ class ModelService:
     def load_state(self, directory: str, tensors: dict) -> None:
         from ..checkpoint import assemble
 
-        self.runner.set_state(assemble(directory, tensors), self.rank)
+        mine = self.runner.state_meta("all")  # not another pipeline stage's
+        self.runner.set_state(assemble(directory, {n: t for n, t in tensors.items() if n in mine}), self.rank)

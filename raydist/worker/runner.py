@@ -19,6 +19,7 @@ from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static.dist_input_spec import DistributedInputSpec
 
 from ..compat import engine as compat_engine
+from ..compat.collectives import flush as flush_sends
 from ..specs import TensorSpec
 from ..strategy import micro_batches
 from ..topology import Layout, Mesh, ModePlan
@@ -77,6 +78,7 @@ class StaticRunner:
         self.mode: str | None = None
         self._fetch: dict[str, list] = {}  # mode -> values to fetch
         self._feed: dict[str, list[str]] = {}  # mode -> feed names
+        self._held: dict[str, list[bool]] = {}  # mode -> whether this rank holds each value to fetch
         self._plans: dict[str, ModePlan] = {}
         self.specs: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])
         # whether a train step that fails in a collective has updated nothing (compat.engine, behaviour 8)
@@ -103,11 +105,15 @@ class StaticRunner:
             names = [name for group in groups for name in group]
             dist_program = self.engine._pir_dist_main_progs[mode]
             values = [dist_program.get_output_value_by_name(n) for n in names]
+            # only a pipeline's last stage holds the loss and the outputs: the others' are fake values
+            held = [not paddle.pir.is_fake_value(v) for v in values]
             fetch_program = compat_engine.fetch_program(self.engine, mode)
-            self._fetch[mode] = [fetch_program.get_output_value_by_name(n) for n in names]
+            self._fetch[mode] = [fetch_program.get_output_value_by_name(n) for n, h in zip(names, held) if h]
+            self._held[mode] = held
             specs = self.engine._inputs_spec + ([] if mode == "predict" else self.engine._labels_spec)
             self._feed[mode] = [s.name for s in specs]
-            self._plans[mode] = ModePlan([layout_of_value(v) for v in values], tuple(len(g) for g in groups))
+            layouts = [layout_of_value(v) if h else None for v, h in zip(values, held)]
+            self._plans[mode] = ModePlan(layouts, tuple(len(g) for g in groups))
         compat_engine.use_mode(self.engine, mode)
         self.mode = mode
         return self._plans[mode]
@@ -129,7 +135,11 @@ class StaticRunner:
             outs = self.engine._executor.run(
                 self.engine._pir_dense_main_progs[mode], feed=feed, fetch_list=fetch, return_numpy=True
             )
-        return outs if collect else None
+        flush_sends()
+        if not collect:
+            return None
+        outs = iter(outs)
+        return [next(outs) if h else None for h in self._held[mode]]
 
     def program(self, kind: str, mode: str | None) -> str:
         mode = mode or self.mode
@@ -150,6 +160,8 @@ class StaticRunner:
         if mode == "opt":
             return out
         for name, tensor in self.layer.state_dict().items():
+            if not _held(tensor):
+                continue
             local = tensor._local_value() if tensor.is_dist() else tensor
             layout = layout_of_tensor(tensor) if tensor.is_dist() else None
             out[name] = (name, np.array(local.numpy()), layout, tuple(int(d) for d in tensor.shape))
@@ -169,6 +181,8 @@ class StaticRunner:
             params = self.layer.state_dict()
             for name, value in full.items():
                 tensor = params[name]
+                if not _held(tensor):
+                    continue
                 local = layout_of_tensor(tensor).local(value, rank) if tensor.is_dist() else value
                 (tensor._local_value() if tensor.is_dist() else tensor).set_value(np.array(local, order="C"))
             return
@@ -178,12 +192,19 @@ class StaticRunner:
         place = paddle.framework._current_expected_place()
         local_state = {}
         for name, value in full.items():
+            if name not in state:  # another pipeline stage's
+                continue
             var, _, layout, _ = state[name]
             dense = core.DenseTensor()
             dense.set(np.array(value if layout is None else layout.local(value, rank), order="C"), place)
             local_state[var] = dense
         program = self.engine._pir_dist_main_progs[self.mode]
         program.set_state_dict(local_state, paddle.static.global_scope(), True)
+
+
+def _held(tensor) -> bool:
+    """Whether this rank holds a piece of a layer's tensor (not: another pipeline stage's)."""
+    return not tensor.is_dist() or dist.get_rank() in tensor.process_mesh.process_ids
 
 
 def _global_shape(local: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
