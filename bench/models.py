@@ -14,7 +14,12 @@ MODELS = {
     "mlp-dp2xmp2": ("mlp", [[0, 1], [2, 3]], ["dp", "mp"], 32, "quickstart MLP 16-64-4, dp=2 x mp=2, 4 ranks"),
     "gpt-mp2": ("gpt", [[0, 1]], ["dp", "mp"], 8, "GPT 4 x (h256, 8 heads), seq 64, mp=2, 2 ranks"),
     "gpt-dp2xmp2": ("gpt", [[0, 1], [2, 3]], ["dp", "mp"], 8, "GPT 4 x (h256, 8 heads), seq 64, dp=2 x mp=2, 4 ranks"),
+    "gpt-dp2": ("gpt", [[0], [1]], ["dp", "mp"], 8, "GPT 4 x (h256, 8 heads), seq 64, dp=2, 2 ranks"),
+    # stages: blocks 0-1 (and the embeddings) on rank 0, blocks 2-3 (and the head) on rank 1
+    "gpt-pp2": ("gpt", [[[0]], [[1]]], ["dp", "mp"], 8,
+                "GPT 4 x (h256, 8 heads), seq 64, pp=2 (1F1B, 4 micro-batches), 2 ranks"),
 }
+PIPELINE = {"gpt-pp2": {"enable": True, "schedule_mode": "1F1B", "accumulate_steps": 4}}
 
 IN, OUT = 16, 4  # the quickstart MLP's, without importing Paddle where rows are made
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 512, 256, 8, 4, 64
@@ -29,10 +34,20 @@ def batch_size(name: str) -> int:
 
 
 def mesh(name: str):
+    """The model's mesh; a pipeline's: one per stage."""
     import paddle.distributed as dist
 
     ids, dims = MODELS[name][1:3]
+    if name in PIPELINE:
+        return [dist.ProcessMesh(stage, dim_names=dims) for stage in ids]
     return dist.ProcessMesh(ids, dim_names=dims)
+
+
+def strategy(name: str):
+    """The model's Strategy (its pipeline section), or None."""
+    import paddle.distributed as dist
+
+    return dist.Strategy({"pipeline": PIPELINE[name]}) if name in PIPELINE else None
 
 
 def build_layer(name: str, on=None):
@@ -115,20 +130,38 @@ def _gpt_classes():
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
     class GPT(paddle.nn.Layer):
+        """``mesh``: one mesh, or a list of stage meshes (the blocks split evenly over them;
+        the embeddings on the first, the head on the last)."""
+
         def __init__(self, mesh):
             super().__init__()
             paddle.seed(2024)
+            self.stages = mesh if isinstance(mesh, list) else None
+            stage = [mesh] * LAYERS if self.stages is None else \
+                [self.stages[i * len(self.stages) // LAYERS] for i in range(LAYERS)]
             self.embed = paddle.nn.Embedding(VOCAB, HIDDEN)
             self.pos = paddle.nn.Embedding(SEQ, HIDDEN)
-            self.blocks = paddle.nn.LayerList([Block(mesh) for _ in range(LAYERS)])
+            self.blocks = paddle.nn.LayerList([Block(stage[i]) for i in range(LAYERS)])
             self.ln = paddle.nn.LayerNorm(HIDDEN)
             self.head = paddle.nn.Linear(HIDDEN, VOCAB)
+            self.where = stage
+            if self.stages is not None:
+                first, last = self.stages[0], self.stages[-1]
+                for layer, on in ((self.embed, first), (self.pos, first), (self.ln, last), (self.head, last)):
+                    for attr in ("weight", "bias"):
+                        if getattr(layer, attr, None) is not None:
+                            setattr(layer, attr, dist.shard_tensor(getattr(layer, attr), on, [R, R]))
 
         def forward(self, tokens):
             x = self.embed(tokens) + self.pos(paddle.arange(SEQ))
             mask = paddle.triu(paddle.full([SEQ, SEQ], -1e9, "float32"), 1)
-            for block in self.blocks:
+            for i, block in enumerate(self.blocks):
+                if self.stages is not None and (i == 0 or self.where[i] is not self.where[i - 1]):
+                    x = dist.reshard(x, self.where[i], [R, R])
+                    mask = dist.reshard(mask, self.where[i], [R, R]) if i else mask
                 x = block(x, mask)
+            if self.stages is not None:
+                x = dist.reshard(x, self.stages[-1], [R, R])
             return self.head(self.ln(x))
 
     return GPT

@@ -4,6 +4,7 @@
                     [--warmup 10] [--repeat N]
     python -m bench dispatch [--ranks 2,4,8,16] [--steps 300]
     python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
+    python -m bench pipeline [--steps 40] [--repeat 3]
 
 For each model, the same model, data and ranks under these runners, round-robin:
 - *native*: N plain processes with paddle.distributed.launch's environment,
@@ -18,7 +19,8 @@ step, peak memory per rank, the share of time ranks wait for data, and
 whether native and raydist's driver batches computed the losses of the same
 model trained in ONE plain process (bench/reference.py). ``dispatch`` measures the
 driver's own cost per step as the group grows (bench/dispatch.py); ``elastic``, what a
-lost or joining node costs (bench/elastic.py). Tables are
+lost or joining node costs (bench/elastic.py); ``pipeline``, the bench GPT on two
+pipeline stages next to dp2 and mp2, with each stage's bubble (bench/pipeline.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
 
@@ -78,7 +80,7 @@ def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | Non
 
     return raydist.to_static(
         lambda: models.build_layer(name), loader, models.loss(name),
-        lambda p: paddle.optimizer.AdamW(1e-3, parameters=p),
+        lambda p: paddle.optimizer.AdamW(1e-3, parameters=p), strategy=models.strategy(name),
         num_workers=models.world_size(name), runtime_env=RANK_ENV, max_in_flight=max_in_flight,
         dispatch=dispatch or DISPATCH[0],
     )  # fmt: skip
@@ -109,7 +111,7 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     for i, batch in enumerate(batches):
         if i == warmup:
             dm.wait()
-            take_stats()
+            before = take_stats()
             timed = time.perf_counter()
         losses.append(call(dm, batch))
         if first is None:
@@ -122,10 +124,13 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     times.append(wall - sum(times))  # the last step: to the end of the run
     peak = max(s["peak_rss_mib"] for s in ray.get([a.status.remote() for a in dm._client.group.actors]))
     return {"times": times, "first_step_s": first, "losses": [float(x) for x in losses], "peak_mib": peak,
-            "wait_share": max(s["wait"] for s in stats) / wall}  # fmt: skip
+            "wait_share": max(s["wait"] for s in stats) / wall,
+            "stage_wait_share": [(s["stage_wait"] - b["stage_wait"]) / wall
+                                 for s, b in zip(stats, before)]}  # fmt: skip
 
 
-def run_raydist_batches(name: str, warmup: int, steps: int, dispatch: str | None = None) -> dict:
+def run_raydist_batches(name: str, warmup: int, steps: int, dispatch: str | None = None,
+                        keep_stage_waits: bool = False) -> dict:  # fmt: skip
     from bench.models import data
 
     batches = data(name, warmup + steps)
@@ -133,6 +138,8 @@ def run_raydist_batches(name: str, warmup: int, steps: int, dispatch: str | None
     with _raydist(name, dispatch=dispatch) as dm:
         r = _timed_steps(dm, batches, warmup, start, lambda dm, b: dm(*b))
     r.pop("wait_share")
+    if not keep_stage_waits:
+        r.pop("stage_wait_share")
     return r
 
 
@@ -219,7 +226,7 @@ def models_table(args) -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="models", choices=["models", "dispatch", "elastic"])
+    parser.add_argument("what", nargs="?", default="models", choices=["models", "dispatch", "elastic", "pipeline"])
     parser.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2")
     parser.add_argument("--runners", default="native,loader,batches")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
@@ -249,6 +256,11 @@ def main(argv=None) -> None:
 
             args.steps = args.steps or 300
             table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup)
+        elif args.what == "pipeline":
+            from bench.pipeline import pipeline_table
+
+            args.steps = args.steps or 40
+            table = pipeline_table(args.steps, args.warmup, args.repeat)
         else:
             args.steps = args.steps or 60
             table = models_table(args)

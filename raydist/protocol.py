@@ -198,5 +198,8 @@ class RankActor(Member):
 
     @ray.method(concurrency_group=ASIDE)
     def take_stats(self) -> dict[str, Any]:
-        """When this rank's steps started and how long they waited for data since the last call (for bench/)."""
-        return {"starts": self.model.take_starts(), "wait": self.data.take_wait()}
+        """When this rank's steps started and how long they waited for data since the last call, and for
+        pipeline neighbours in all (for bench/)."""
+        from .compat.collectives import p2p_waited_s
+
+        return {"starts": self.model.take_starts(), "wait": self.data.take_wait(), "stage_wait": p2p_waited_s()}

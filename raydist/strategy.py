@@ -67,6 +67,15 @@ def micro_batches(strategy: Any, mode: str) -> int:
     return int(pipeline.accumulate_steps) if pipeline.enable else 1
 
 
+def micro_batch_size(strategy: Any) -> int | None:
+    """The rows of a pipeline's micro-batch, if the strategy names them (Paddle's static engine
+    ignores ``pipeline.micro_batch_size`` and splits each rank's rows into ``accumulate_steps``;
+    raydist holds batches to both). None: not named (left at its default, 1)."""
+    if strategy is None or not strategy.pipeline.enable or strategy.pipeline.micro_batch_size == 1:
+        return None
+    return int(strategy.pipeline.micro_batch_size)
+
+
 def pipeline_stages(strategy: Any, meshes: list, world_size: int) -> None:
     """Check a pipeline's stages against what Paddle's schedules assume; fill in
     ``strategy.pipeline.pp_degree`` when it was left at its default (1).

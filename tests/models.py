@@ -115,25 +115,27 @@ class Chain(paddle.nn.Layer):
             for attr in ("weight", "bias"):
                 param = getattr(block.fc, attr)
                 param.set_value((rng.randn(*param.shape) * 0.3).astype("float32"))
-                if stages:
+                if stages:  # column-parallel along a stage's "mp" dim
                     mesh = stages[i % len(stages)]
-                    setattr(block.fc, attr, dist.shard_tensor(param, mesh, [Replicate()] * len(mesh.shape)))
+                    split = Shard(1 if attr == "weight" else 0)
+                    placements = [split if d == "mp" else Replicate() for d in mesh.dim_names]
+                    setattr(block.fc, attr, dist.shard_tensor(param, mesh, placements))
 
     def forward(self, x):
         for i, block in enumerate(self.blocks):
-            if self.stages:  # rows stay split over a stage's "dp" ranks
+            if self.stages:  # rows stay split over a stage's "dp" ranks, whole on its "mp" ranks
                 mesh = self.stages[i % len(self.stages)]
                 x = dist.reshard(x, mesh, [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names])
             x = block(x)
         return x
 
 
-def build_chain(stages: list[list], blocks: int | None = None, dim: str = "pp"):
-    """A build_layer for raydist: `Chain` on stages of the given ranks (each a list: a
-    data-parallel stage if longer than one)."""
+def build_chain(stages: list[list], blocks: int | None = None, dim: str = "dp"):
+    """A build_layer for raydist: `Chain` on stages of the given ranks (each a list; a stage of
+    several ranks splits along ``dim``: "dp" or "mp")."""
 
     def build_layer():
-        meshes = [dist.ProcessMesh(ranks, dim_names=["dp"] if len(ranks) > 1 else [dim]) for ranks in stages]
+        meshes = [dist.ProcessMesh(ranks, dim_names=[dim if len(ranks) > 1 else "pp"]) for ranks in stages]
         return Chain(meshes, blocks or len(stages))
 
     return build_layer

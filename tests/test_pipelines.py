@@ -39,10 +39,11 @@ def _assert_params(dm, ref: Reference) -> None:
         ([[0], [1]], 2, _pipeline("1F1B", 4), sgd()),
         ([[0], [1]], 4, _pipeline("VPP", 2, vpp_degree=2, vpp_seg_method="Block"), adamw()),
         ([[0], [1], [2]], 3, _pipeline("1F1B", 4), adamw()),
+        ([[0, 1], [2, 3]], 2, _pipeline("1F1B", 2), adamw()),  # pp2 x mp2: each stage column-parallel
         ([[0], [1]], 2, None, sgd()),  # stages without the pipeline section: one batch, stage after stage
     ],
     ids=["FThenB-2-sgd", "FThenB-4-adamw", "1F1B-2-adamw", "1F1B-4-sgd", "VPP-2-adamw", "3stages-1F1B-4-adamw",
-         "stages-only"],  # fmt: skip
+         "pp2xmp2-1F1B-2-adamw", "stages-only"],  # fmt: skip
 )
 def test_pipelines_train_eval_and_predict_like_one_process(stages, blocks, strategy, optimizer):
     """Every mode, in any order (predict and eval before the first train step, and between
@@ -50,8 +51,8 @@ def test_pipelines_train_eval_and_predict_like_one_process(stages, blocks, strat
     ref = Reference(optimizer, net=Chain(None, blocks))
     steps = batches(4)
     x_eval, y_eval = batches(1, seed=5)[0]
-    with raydist.to_static(build_chain(stages, blocks), loss=paddle.nn.MSELoss(), optimizer=optimizer,
-                           strategy=strategy, num_workers=len(stages)) as dm:  # fmt: skip
+    with raydist.to_static(build_chain(stages, blocks, dim="mp"), loss=paddle.nn.MSELoss(), optimizer=optimizer,
+                           strategy=strategy, num_workers=sum(map(len, stages))) as dm:  # fmt: skip
         dm.predict()
         assert_close(dm(x_eval), ref.predict(x_eval))
         for i, (x, y) in enumerate(steps):

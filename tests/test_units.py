@@ -228,3 +228,19 @@ def test_pipeline_stages_fill_in_pp_degree_and_refuse_what_paddles_schedules_wou
     with pytest.raises(UsageError, match="group has 4 ranks"):  # ranks 2, 3 in no stage
         pipeline_stages(strategy(), [Mesh.of([0], ["pp"]), Mesh.of([1], ["pp"])], 4)
     pipeline_stages(None, [Mesh.of([1], ["pp"]), Mesh.of([0], ["pp"])], 2)  # no pipeline section: no schedule
+
+
+def test_a_pipelines_micro_batch_size_holds_batches_to_it():
+    """Paddle's static engine ignores pipeline.micro_batch_size; raydist refuses batches that
+    would run micro-batches of another size, before anything is sent."""
+    from raydist.driver.inputs import InputSpecs
+
+    stages = Mesh.of([0, 1], ["dp"]), Mesh.of([2, 3], ["dp"])
+    specs = InputSpecs(None, None, "dp", {"train": 2, "eval": 2, "predict": 2}, micro_batch_size=2)
+    specs.place(*stages)
+    x, y = np.zeros((8, 3), np.float32), np.zeros((8, 1), np.float32)  # 4 rows per rank: 2 micro-batches of 2
+    inputs, labels = specs.for_call([spec_of(x, "x"), spec_of(y, "y")], "train")
+    assert inputs[0].layout.mesh == stages[0] and labels[0].layout.mesh == stages[1]
+    with pytest.raises(ValueError, match="micro_batch_size=2 rows: set accumulate_steps to 4 or send batches of 8"):
+        specs.for_call([spec_of(np.zeros((16, 3), np.float32), "x"), spec_of(np.zeros((16, 1), np.float32), "y")],
+                       "train")  # fmt: skip

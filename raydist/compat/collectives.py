@@ -95,7 +95,7 @@ def load_ops() -> None:
     from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
     sources = [_CSRC / "collective.cc", _CSRC / "p2p.cc"]
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, _CSRC / "ring.h"])).hexdigest()[:12]
     build = cache_dir() / f"ops-paddle{paddle.__version__}-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     library = build / _NAME / f"{_NAME}.so"
@@ -189,6 +189,17 @@ def _forget_events(program, gone: set[str]) -> None:
             waits = list(op.attrs()["events_to_wait"])
             if set(waits) & gone:
                 op.set_str_array_attr("events_to_wait", [e for e in waits if e not in gone])
+
+
+def p2p_waited_s() -> float:
+    """Seconds this rank waited for its pipeline neighbours so far (in receives and flushes)."""
+    if not _p2p:
+        return 0.0
+    import ctypes
+
+    waited = ctypes.CDLL(_library).raydist_p2p_waited_ns
+    waited.restype = ctypes.c_int64
+    return waited() / 1e9
 
 
 def flush() -> None:

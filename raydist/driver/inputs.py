@@ -25,15 +25,17 @@ class InputSpecs:
 
     ``inputs``/``labels``: None until known; ``shard_dims``: the mesh dim
     batches are split along by default; ``micro_batches``: per mode, the
-    micro-batches each rank's rows must divide into.
+    micro-batches each rank's rows must divide into; ``micro_batch_size``: the rows
+    of each, if the strategy names it.
     """
 
     def __init__(self, inputs: list[TensorSpec] | None, labels: list[TensorSpec] | None, shard_dims: str | None,
-                 micro_batches: dict[str, int]):  # fmt: skip
+                 micro_batches: dict[str, int], micro_batch_size: int | None = None):  # fmt: skip
         self.inputs = inputs
         self.labels = labels
         self.shard_dims = shard_dims
         self.micro_batches = micro_batches
+        self.micro_batch_size = micro_batch_size
         self.mesh: Mesh | None = None
         self.label_mesh: Mesh | None = None
 
@@ -76,7 +78,7 @@ class InputSpecs:
             )
         for i, (spec, g) in enumerate(zip(specs, given)):
             spec.check(g, "label" if i >= len(inputs) else "input")
-            _check_divides(spec, g.shape, self.micro_batches[mode])
+            _check_divides(spec, g.shape, self.micro_batches[mode], self.micro_batch_size)
         if not all(s.complete for s in specs):  # dims an input_spec left open
             inputs = [s.resolved(g) for s, g in zip(inputs, given)]
             if mode != "predict":
@@ -144,7 +146,7 @@ def _named(spec: TensorSpec, name: str) -> TensorSpec:
     return spec if spec.layout is not None else dataclasses.replace(spec, name=name)
 
 
-def _check_divides(spec: TensorSpec, shape: tuple[int, ...], micro_batches: int) -> None:
+def _check_divides(spec: TensorSpec, shape: tuple[int, ...], micro_batches: int, micro_batch_size: int | None) -> None:
     layout = spec.layout
     for d, m in enumerate(layout.dims_mapping):
         if m >= 0 and shape[d] % layout.mesh.shape[m]:
@@ -160,4 +162,14 @@ def _check_divides(spec: TensorSpec, shape: tuple[int, ...], micro_batches: int)
                 f"the global batch of {spec.name!r} has {shape[0]} rows, {shape[0] // split} per rank, which do "
                 f"not divide into the strategy's {micro_batches} micro-batches (gradient_merge.k_steps or "
                 "pipeline.accumulate_steps)"
+            )
+    if micro_batch_size and shape:
+        split = layout.mesh.shape[layout.dims_mapping[0]] if layout.dims_mapping and layout.dims_mapping[0] >= 0 else 1
+        if shape[0] // split != micro_batch_size * micro_batches:
+            raise ValueError(
+                f"the global batch of {spec.name!r} has {shape[0]} rows, {shape[0] // split} per rank, but "
+                f"strategy.pipeline asks for {micro_batches} micro-batches (accumulate_steps) of "
+                f"micro_batch_size={micro_batch_size} rows: set accumulate_steps to "
+                f"{max(shape[0] // split // micro_batch_size, 1)} or send batches of "
+                f"{micro_batch_size * micro_batches * split} rows"
             )

@@ -23,7 +23,7 @@ from ..messages import ArraysStep, LoaderStep, LrChange, StepMessage
 from ..protocol import RankActor
 from ..specs import from_input_spec
 from ..strategy import check as check_strategy
-from ..strategy import micro_batches
+from ..strategy import micro_batch_size, micro_batches
 from ..topology import Mesh, ModePlan, stages
 from .client import RankClient
 from .connect import init_ray
@@ -134,7 +134,8 @@ class DistModel:
         num_workers = self._sizes.max
         self._payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
                                        "the layer builder, loss, optimizer or strategy")  # fmt: skip
-        self._specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES})
+        self._specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES},
+                                  micro_batch_size(strategy))
         self._has_loss, self._has_optimizer = loss is not None, optimizer is not None
         self._metrics = list(metrics or [])
         self._mode = "train" if (self._has_loss and self._has_optimizer) else ("eval" if self._has_loss else "predict")

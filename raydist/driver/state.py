@@ -167,7 +167,8 @@ def live_state(actors: list, names: set[str]) -> tuple[int, dict[str, np.ndarray
     return assemble_live(answers, names)
 
 
-def assemble_live(answers: dict[int, tuple[int, bool, dict]], names: set[str]) -> tuple[int, dict[str, np.ndarray]] | str:
+def assemble_live(answers: dict[int, tuple[int, bool, dict]],
+                  names: set[str]) -> tuple[int, dict[str, np.ndarray]] | str:  # fmt: skip
     """The full state (tensors ``names``) from the surviving ranks' ``{rank: (train steps,
     broke off, {name: (local, layout)})}``; or why it cannot be had: no survivor, survivors
     at different steps, a step that may have been broken off halfway through its updates,

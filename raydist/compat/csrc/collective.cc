@@ -11,26 +11,14 @@
 // The ops keep the attribute name "ring_id", so the executor still treats them
 // as communication ops and runs them in program order.
 
-#include <string>
 #include <vector>
 
-#include "paddle/extension.h"
-#include "paddle/phi/core/dense_tensor.h"
-#include "paddle/phi/core/distributed/comm_context_manager.h"
-#include "paddle/phi/core/distributed/gloo_comm_context.h"
+#include "ring.h"
 
 namespace {
 
-phi::distributed::GlooCommContext* Ring(int ring_id) {
-  auto& manager = phi::distributed::CommContextManager::GetInstance();
-  const std::string key = std::to_string(ring_id);
-  PD_CHECK(manager.Has(key), "raydist: no gloo communicator for ring ", ring_id);
-  return static_cast<phi::distributed::GlooCommContext*>(manager.Get(key));
-}
-
-phi::DenseTensor* Dense(const paddle::Tensor& t) {
-  return static_cast<phi::DenseTensor*>(t.impl().get());
-}
+using raydist::Dense;
+using raydist::Ring;
 
 std::vector<paddle::Tensor> AllReduce(const paddle::Tensor& x, int ring_id, int reduce_type) {
   auto out = paddle::empty(x.shape(), x.dtype(), x.place());

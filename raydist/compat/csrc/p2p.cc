@@ -12,8 +12,11 @@
 // receiver takes them in the same order (the same schedule runs on both ends).
 // raydist_p2p_flush (C, for ctypes) waits until every queue is sent, and
 // reports the first failure of a sender thread (a dead peer, say); a send or a
-// receive after a failure raises it too.
+// receive after a failure raises it too. raydist_p2p_waited_ns (C) is the time
+// spent waiting in receives and flushes: a stage's share of the pipeline bubble.
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -23,28 +26,26 @@
 #include <thread>
 #include <vector>
 
-#include "paddle/extension.h"
-#include "paddle/phi/core/dense_tensor.h"
-#include "paddle/phi/core/distributed/comm_context_manager.h"
-#include "paddle/phi/core/distributed/gloo_comm_context.h"
+#include "ring.h"
 
 namespace {
 
-phi::distributed::GlooCommContext* P2PRing(int ring_id) {
-  auto& manager = phi::distributed::CommContextManager::GetInstance();
-  const std::string key = std::to_string(ring_id);
-  PD_CHECK(manager.Has(key), "raydist: no gloo communicator for ring ", ring_id);
-  return static_cast<phi::distributed::GlooCommContext*>(manager.Get(key));
-}
-
-phi::DenseTensor* P2PDense(const paddle::Tensor& t) {
-  return static_cast<phi::DenseTensor*>(t.impl().get());
-}
+using raydist::Dense;
+using raydist::Ring;
 
 std::mutex g_mu;
 std::condition_variable g_cv;
 std::string g_error;  // the first sender's failure
 int g_pending = 0;    // queued or being sent, over all rings
+std::atomic<int64_t> g_waited_ns{0};  // in receives and flushes: the pipeline's bubble, as this rank sees it
+
+struct Waiting {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~Waiting() {
+    g_waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+                       .count();
+  }
+};
 
 struct Outbox {
   std::deque<std::pair<paddle::Tensor, int>> queue;  // (copy, peer)
@@ -57,7 +58,7 @@ void CheckFailed() {
 }
 
 void SendLoop(int ring_id, Outbox* box) {
-  auto* ring = P2PRing(ring_id);
+  auto* ring = Ring(ring_id);
   std::unique_lock<std::mutex> lock(g_mu);
   for (;;) {
     g_cv.wait(lock, [box] { return !box->queue.empty(); });
@@ -66,7 +67,7 @@ void SendLoop(int ring_id, Outbox* box) {
     lock.unlock();
     std::string error;
     try {
-      ring->Send(*P2PDense(item.first), item.second);
+      ring->Send(*Dense(item.first), item.second);
     } catch (const std::exception& e) {
       error = std::string("ring ") + std::to_string(ring_id) + ": " + e.what();
     }
@@ -97,19 +98,24 @@ void RecvInplace(paddle::Tensor& buffer, int ring_id, int peer) {  // NOLINT
     std::lock_guard<std::mutex> lock(g_mu);
     CheckFailed();
   }
-  P2PRing(ring_id)->Recv(P2PDense(buffer), peer);
+  Waiting waiting;
+  Ring(ring_id)->Recv(Dense(buffer), peer);
 }
 
 }  // namespace
 
 // Wait until every queued send went out; 0, or -1 with the failure in `error`.
 extern "C" int raydist_p2p_flush(char* error, int size) {
+  Waiting waiting;
   std::unique_lock<std::mutex> lock(g_mu);
   g_cv.wait(lock, [] { return g_pending == 0 || !g_error.empty(); });
   if (g_error.empty()) return 0;
   snprintf(error, size, "%s", g_error.c_str());
   return -1;
 }
+
+// Nanoseconds spent waiting in receives and flushes so far.
+extern "C" int64_t raydist_p2p_waited_ns() { return g_waited_ns.load(); }
 
 PD_BUILD_OP(raydist_send_)
     .Inputs({"X"})
