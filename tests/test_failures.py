@@ -164,8 +164,7 @@ def wait_noticed(dm, pid, timeout=20.0):
     raise AssertionError("Ray did not notice the dead rank")
 
 
-@pytest.mark.parametrize("dispatch", ["calls", "compiled"])
-@pytest.mark.parametrize("when", ["send", "receive"])
+@pytest.mark.parametrize("dispatch, when", [("calls", "send"), ("compiled", "receive")])  # each of both, once
 def test_a_rank_killed_between_steps_is_a_rank_error_at_the_next_send_or_receive(dispatch, when):
     """"send": Ray has torn the graph down before the next call; "receive": the call goes out first."""
     data = batches(3)

@@ -47,12 +47,16 @@ def _assert_params(dm, ref: Reference) -> None:
 )
 def test_pipelines_train_eval_and_predict_like_one_process(stages, blocks, strategy, optimizer):
     """Every mode, in any order (predict and eval before the first train step, and between
-    train steps), and the parameters after: equal to one process."""
+    train steps), from parameters set through set_state_dict, and the parameters after:
+    equal to one process."""
     ref = Reference(optimizer, net=Chain(None, blocks))
+    start = {name: value.numpy() for name, value in Chain(None, blocks, seed=3).state_dict().items()}
+    ref.net.set_state_dict(start)
     steps = batches(4)
     x_eval, y_eval = batches(1, seed=5)[0]
     with raydist.to_static(build_chain(stages, blocks, dim="mp"), loss=paddle.nn.MSELoss(), optimizer=optimizer,
                            strategy=strategy, num_workers=sum(map(len, stages))) as dm:  # fmt: skip
+        dm.set_state_dict(start)  # every stage keeps its own
         dm.predict()
         assert_close(dm(x_eval), ref.predict(x_eval))
         for i, (x, y) in enumerate(steps):
