@@ -76,7 +76,7 @@ UNSUPPORTED = {
 
 _NAME = "raydist_collective"
 _loaded = False
-_library: str | None = None
+_native = None  # the custom ops' library, for its C functions
 _applied = False
 _p2p = 0  # point-to-point ops rewritten in this process (then steps flush their sends)
 _deferring_p2p = False  # inside a pipeline's _parallel_pir: send/recv are rewritten in its jobs
@@ -107,8 +107,11 @@ def load_ops() -> None:
             with contextlib.redirect_stdout(io.StringIO()):  # Paddle prints "Compiling ..."
                 load(name=_NAME, sources=[str(s) for s in sources], extra_include_paths=[str(_CSRC / "gloo_stub")],
                      build_directory=str(build), verbose=False)  # fmt: skip
-    global _library
-    _library = str(library)
+    global _native
+    import ctypes
+
+    _native = ctypes.CDLL(str(library))  # the same library Paddle loaded: raydist_p2p_flush and _waited_ns
+    _native.raydist_p2p_waited_ns.restype = ctypes.c_int64
     _loaded = True
 
 
@@ -172,7 +175,7 @@ def _send(op) -> None:
 def _recv(op) -> None:
     attrs = op.attrs()
     pir.set_insertion_point(op)
-    buffer = paddle.full(attrs["out_shape"], 0, attrs["dtype"])
+    buffer = paddle.empty(attrs["out_shape"], attrs["dtype"])  # filled by the receive
     buffer.get_defining_op().op_role = op.op_role
     _replace(op, paddle._C_ops._run_custom_op("raydist_recv_", buffer, attrs["ring_id"], attrs["peer"]))
 
@@ -193,13 +196,7 @@ def _forget_events(program, gone: set[str]) -> None:
 
 def p2p_waited_s() -> float:
     """Seconds this rank waited for its pipeline neighbours so far (in receives and flushes)."""
-    if not _p2p:
-        return 0.0
-    import ctypes
-
-    waited = ctypes.CDLL(_library).raydist_p2p_waited_ns
-    waited.restype = ctypes.c_int64
-    return waited() / 1e9
+    return _native.raydist_p2p_waited_ns() / 1e9 if _p2p else 0.0
 
 
 def flush() -> None:
@@ -209,7 +206,7 @@ def flush() -> None:
     import ctypes
 
     error = ctypes.create_string_buffer(2048)
-    if ctypes.CDLL(_library).raydist_p2p_flush(error, len(error)) != 0:
+    if _native.raydist_p2p_flush(error, len(error)) != 0:
         raise RuntimeError(f"a pipeline send failed: {error.value.decode(errors='replace')}")
 
 

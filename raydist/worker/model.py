@@ -160,5 +160,6 @@ class ModelService:
     def load_state(self, directory: str, tensors: dict) -> None:
         from ..checkpoint import assemble
 
-        mine = self.runner.state_meta("all")  # not another pipeline stage's
-        self.runner.set_state(assemble(directory, {n: t for n, t in tensors.items() if n in mine}), self.rank)
+        # only the tensors this rank holds (not another pipeline stage's) are read
+        self.runner.set_state(lambda mine: assemble(directory, {n: t for n, t in tensors.items() if n in mine}),
+                              self.rank)  # fmt: skip

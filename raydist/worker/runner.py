@@ -12,6 +12,8 @@ executor receives either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -23,6 +25,8 @@ from ..compat.collectives import flush as flush_sends
 from ..specs import TensorSpec
 from ..strategy import micro_batches
 from ..topology import Layout, Mesh, ModePlan
+
+Values = dict[str, np.ndarray]  # FULL values by name
 
 _REDUCE_NAMES = {0: "sum", 1: "max", 2: "min", 3: "prod", 4: "avg"}
 
@@ -175,13 +179,15 @@ class StaticRunner:
         """{structured name: (global shape, dtype, layout)} of the state (``mode`` as `state_dict`)."""
         return {name: (shape, str(array.dtype), layout) for name, (_, array, layout, shape) in self._state(mode).items()}
 
-    def set_state(self, full: dict[str, np.ndarray], rank: int) -> None:
-        """Set the named tensors from FULL values; this rank keeps its own shard."""
+    def set_state(self, full: Values | Callable[[set[str]], Values], rank: int) -> None:
+        """Set the named tensors from FULL values; this rank keeps its own shard. ``full``: the
+        values, or a function that reads those of the names it is given (a checkpoint's):
+        the tensors this rank holds."""
         if not self._plans:  # the layer's dygraph parameters, before the first build
-            params = self.layer.state_dict()
-            for name, value in full.items():
-                tensor = params[name]
-                if not _held(tensor):
+            params = {name: t for name, t in self.layer.state_dict().items() if _held(t)}
+            for name, value in (full(set(params)) if callable(full) else full).items():
+                tensor = params.get(name)
+                if tensor is None:  # another pipeline stage's
                     continue
                 local = layout_of_tensor(tensor).local(value, rank) if tensor.is_dist() else value
                 (tensor._local_value() if tensor.is_dist() else tensor).set_value(np.array(local, order="C"))
@@ -191,7 +197,7 @@ class StaticRunner:
         state = self._state("all")
         place = paddle.framework._current_expected_place()
         local_state = {}
-        for name, value in full.items():
+        for name, value in (full(set(state)) if callable(full) else full).items():
             if name not in state:  # another pipeline stage's
                 continue
             var, _, layout, _ = state[name]
