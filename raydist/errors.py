@@ -44,15 +44,17 @@ class UsageError(ValueError):
 
 
 class RankFailed(RuntimeError):
-    """Raised inside a rank when a call fails: carries the rank and its traceback to the driver."""
+    """Raised inside a rank when a call fails: carries the rank and its traceback to the driver,
+    and the step that failed if it was one."""
 
-    def __init__(self, rank: int, traceback: str):
+    def __init__(self, rank: int, traceback: str, step: int | None = None):
         super().__init__(f"rank {rank}: {traceback}")
         self.rank = rank
         self.traceback = traceback
+        self.step = step
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.traceback))
+        return (type(self), (self.rank, self.traceback, self.step))
 
 
 class RankRefused(RankFailed):

@@ -58,6 +58,18 @@ StepMessage = Union[ArraysStep, LoaderStep]
 
 
 @dataclasses.dataclass(frozen=True)
+class Parcel:
+    """Consecutive steps in one message, numbered from ``first``: every rank runs them back to back."""
+
+    first: int
+    steps: tuple[StepMessage, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.steps)
+
+
+@dataclasses.dataclass(frozen=True)
 class BuildReport:
     """What a rank built: the meshes of the layer's parameters, in order, and the
     optimizer's learning rate (a float, a pickled ``LRScheduler``, or None)."""

@@ -20,7 +20,7 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import BuildReport, LoaderStep, ReadOrder, StepMessage
+from .messages import BuildReport, LoaderStep, Parcel, ReadOrder
 from .topology import ModePlan
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ def reports_rank(method):
             return method(self, *args, **kwargs)
         except UsageError as e:
             raise RankRefused(self.rank, traceback.format_exc(), str(e)) from None
-        except Exception:
-            raise RankFailed(self.rank, traceback.format_exc()) from None
+        except Exception as e:
+            raise RankFailed(self.rank, traceback.format_exc(), getattr(e, "raydist_step", None)) from None
 
     return wrapper
 
@@ -86,9 +86,10 @@ class Member:
         return True
 
     @ray.method(concurrency_group=ASIDE)
-    def ping(self) -> int:
-        """Answers even while a step runs: tells the driver this rank is alive."""
-        return self.rank
+    def ping(self) -> int | None:
+        """Answers even while a step runs: tells the driver this rank is alive (and, for a
+        rank, the number of the step it runs; None: none)."""
+        return None
 
 
 class RankActor(Member):
@@ -134,10 +135,23 @@ class RankActor(Member):
         return self.model.set_mode(mode)
 
     @reports_rank
-    def run(self, message: StepMessage) -> list | None:
-        """One step; this rank's local results if the driver reads them, else None."""
-        batch = self.data.take(message) if isinstance(message, LoaderStep) else None
-        return self.model.step(message, batch)
+    def run(self, parcel: Parcel) -> list | None:
+        """The parcel's steps, in order: this rank's local results of each if the driver reads them, else None.
+
+        A step that fails says which it was (its number), so the driver names it."""
+        results = []
+        try:
+            for number, message in enumerate(parcel.steps, parcel.first):
+                self.model.running = number
+                try:
+                    batch = self.data.take(message) if isinstance(message, LoaderStep) else None
+                    results.append(self.model.step(message, batch))
+                except Exception as e:
+                    e.raydist_step = number
+                    raise
+        finally:
+            self.model.running = None
+        return results if self.model.collect else None
 
     @reports_rank
     def program(self, kind: str, mode: str | None) -> str:
@@ -179,6 +193,10 @@ class RankActor(Member):
     @ray.method(concurrency_group=DATA)
     def data_fail(self, loader: int, epoch: int, error: str) -> None:
         self.data.fail(loader, epoch, error)
+
+    @ray.method(concurrency_group=ASIDE)
+    def ping(self) -> int | None:
+        return self.model.running if self.model is not None else None
 
     @ray.method(concurrency_group=ASIDE)
     def live_state(self, wait_s: float) -> tuple[int, dict] | None:

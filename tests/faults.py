@@ -59,3 +59,28 @@ def pause_a_save_when_flagged():
         return name
 
     checkpoint.write_pieces = write_then_wait
+
+
+def die_in_step_5_on_rank_1():
+    """Rank 1's process is killed as its step 5 (its sixth since the build) begins: its peers
+    are then inside step 5, waiting for it in a collective."""
+    from raydist.protocol import RankActor
+
+    setup = RankActor.setup
+
+    def setup_then_patch(self, *args):
+        fixes = setup(self, *args)  # Paddle is imported only once the rank joined: patch after
+        from raydist.worker import model
+
+        step = model.ModelService.step
+
+        def step_or_die(service, message, staged):
+            service.steps_begun = getattr(service, "steps_begun", 0) + 1
+            if service.rank == 1 and service.steps_begun == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(service, message, staged)
+
+        model.ModelService.step = step_or_die
+        return fixes
+
+    RankActor.setup = setup_then_patch

@@ -13,45 +13,76 @@ from raydist.driver.steps import Loss, Window
 from models import Reference, assert_close, batches, build, sgd
 
 
-def test_window_keeps_at_most_size_steps_and_completes_in_order():
+class Ranks:
+    """A stand-in transport for a `Window`: a message's ticket is its steps' messages, each
+    step's results are ``[message]``; ``fail``: raise this for the message holding that step."""
+
+    def __init__(self, fail=None, error=RuntimeError):
+        self.sent, self.fail, self.error = [], fail, error
+
+    def send(self, first, messages):
+        self.sent.append((first, list(messages)))
+        return list(messages)
+
+    def receive(self, ticket, steps):
+        if self.fail is not None and self.fail in ticket:
+            self.fail = self.fail if self.error is not KeyboardInterrupt else None
+            raise self.error(f"steps {steps[0]}-{steps[-1]} failed")
+        return [[m] for m in ticket]
+
+    def window(self, size, first=0, most=1):
+        return Window(size, first, send=self.send, receive=self.receive, most=most)
+
+
+def test_window_keeps_at_most_size_messages_and_completes_in_order():
     done = []
-    window = Window(2)
-    steps = [window.submit(lambda i=i: [i], lambda refs, what: done.append(refs[0]) or refs[0] * 10) for i in range(5)]
+    window = Ranks().window(2)
+    steps = [window.submit(i, lambda r: done.append(r[0]) or r[0] * 10) for i in range(5)]
     assert done == [0, 1, 2] and len(window) == 2  # submitting the 4th and 5th completed the oldest
     assert steps[4].result() == 40 and done == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="max_in_flight"):
-        Window(0)
+        Ranks().window(0)
+    with pytest.raises(ValueError, match="steps_per_message"):
+        Ranks().window(2, most=0)
+
+
+def test_steps_called_while_the_window_is_full_go_together_in_one_message():
+    ranks = Ranks()
+    window = ranks.window(2, first=10, most=3)
+    steps = [window.submit(i, lambda r: r[0] * 10) for i in range(7)]
+    # 0 and 1 go alone; 2-4 wait for room, and leave together once they are 3 (after 0 is done)
+    assert ranks.sent == [(10, [0]), (11, [1]), (12, [2, 3, 4])] and steps[0].done and not steps[1].done
+    assert len(window) == 6 and window.oldest == 11
+    assert steps[6].result() == 60  # reading a held step sends it, with the one held before it
+    assert ranks.sent[3:] == [(15, [5, 6])] and [s.result() for s in steps] == [0, 10, 20, 30, 40, 50, 60]
+    assert [s.number for s in steps] == list(range(10, 17)) and window.submitted == 17
+
+
+def test_auto_sizes_messages_from_the_pace_of_the_steps():
+    ranks = Ranks()
+    window = ranks.window(1, most="auto")
+    assert window.most == 64
+    for i in range(80):  # done at once: as many steps per message as auto allows
+        window.submit(i, lambda r: r[0])
+    window.drain()
+    assert max(len(m) for _, m in ranks.sent) == 64
 
 
 def test_a_failure_fails_the_later_steps_too():
-    window = Window(3)
-
-    def finish(refs, what):
-        if refs[0] == 1:
-            raise RuntimeError(f"{what} failed")
-        return refs[0]
-
-    steps = [window.submit(lambda i=i: [i], finish) for i in range(3)]
-    with pytest.raises(RuntimeError, match="step 1 failed"):
+    window = Ranks(fail=1).window(3)
+    steps = [window.submit(i, lambda r: r[0]) for i in range(3)]
+    with pytest.raises(RuntimeError, match="steps 1-1 failed"):
         steps[2].result()
     assert steps[0].result() == 0
-    with pytest.raises(RuntimeError, match="step 1 failed"):
+    with pytest.raises(RuntimeError, match="steps 1-1 failed"):
         steps[1].result()
-    with pytest.raises(RuntimeError, match="step 1 failed"):
+    with pytest.raises(RuntimeError, match="steps 1-1 failed"):
         steps[2].result()
 
 
 def test_an_interrupted_wait_leaves_the_step_in_flight():
-    interrupts = [True]
-
-    def finish(refs, what):
-        if interrupts:
-            interrupts.pop()
-            raise KeyboardInterrupt
-        return refs[0]
-
-    window = Window(3, first=7)
-    steps = [window.submit(lambda i=i: [i], finish) for i in range(3)]
+    window = Ranks(fail=0, error=KeyboardInterrupt).window(3, first=7)
+    steps = [window.submit(i, lambda r: r[0]) for i in range(3)]
     with pytest.raises(KeyboardInterrupt, match="while waiting for step 7: steps 7-9 still run"):
         steps[2].result()
     assert len(window) == 3 and not steps[0].done  # nothing dropped, nothing marked failed
@@ -60,8 +91,7 @@ def test_an_interrupted_wait_leaves_the_step_in_flight():
 
 
 def test_loss_acts_as_a_float():
-    window = Window(1)
-    loss = Loss(window.submit(lambda: [None], lambda refs, what: 0.25))
+    loss = Loss(Ranks().window(1).submit(None, lambda results: 0.25))
     assert float(loss) == 0.25 and loss == 0.25 and 0.25 == loss and loss != 0.5
     assert loss + 1 == 1.25 and 1 - loss == 0.75 and loss * 2 == 0.5 and loss / 0.5 == 0.5 and 2**loss == 2**0.25
     assert loss < 1 and loss > 0 and loss <= 0.25 and loss >= 0.25 and -loss == -0.25 and abs(-loss) == 0.25
@@ -97,8 +127,8 @@ def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
     from test_data import MESH, Poisoned
 
     loader = raydist.shard_dataloader(Poisoned(40), MESH, shard_dims="dp", batch_size=8, prefetch=1)
-    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4,
-                           dispatch=dispatch) as dm:  # fmt: skip
+    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4, dispatch=dispatch,
+                           steps_per_message=3) as dm:  # fmt: skip
         start = time.monotonic()
         with pytest.raises(raydist.RankError, match="row 30 is poisoned") as info:
             for batch in loader():
@@ -106,6 +136,36 @@ def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
             dm.wait()
         assert info.value.rank in (2, 3) and info.value.during == "step 3"  # rows 28-31: dp group 1, step 3
         assert time.monotonic() - start < 60
+        assert dm._client.window.messages == 3  # steps 0, 1, then 2-4 together: 3 fails inside a message
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_step():
+    import faults
+
+    data = batches(10)
+    ref = Reference(sgd())
+    expected = [ref.train(x, y) for x, y in data]
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                           steps_per_message=4) as dm:  # fmt: skip
+        losses = [dm(x, y) for x, y in data]  # 0, 1 alone; 2-5 and 6-9 together
+        assert_close(losses, expected)
+        assert dm._client.window.messages == 4
+        params = dm.state_dict("param")
+    for name, value in ref.params().items():
+        assert_close(params[name], value, what=name)
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                           steps_per_message=4, runtime_env=faults.hook("die_in_step_5_on_rank_1")) as dm:  # fmt: skip
+        losses = [dm(x, y) for x, y in data[:6]]
+        start = time.monotonic()
+        with pytest.raises(raydist.RankError) as info:
+            dm.wait()
+        assert (info.value.rank, info.value.died, info.value.during) == (1, True, "step 5")
+        assert time.monotonic() - start < 20
+        assert_close(losses[:2], expected[:2])
+        with pytest.raises(raydist.RankError, match="step 5"):
+            float(losses[2])  # 2-4 went with 5, in the message that failed
 
 
 def test_auto_dispatch_uses_calls_on_cpu_and_compiled_is_asked_for():

@@ -5,9 +5,9 @@ Everything the driver asks of the ranks goes through a `RankClient`:
 - `RankClient.call` runs one `raydist.protocol.RankActor` endpoint on every rank
   (``client.call(RankActor.state_meta, "param")``) after the steps in flight
   are done, so a mode switch, a state read or a save never overtakes a step;
-- `RankClient.step` sends a step message through the transport
-  (`raydist.driver.transport`) into the window of steps in flight
-  (`raydist.driver.steps`);
+- `RankClient.step` adds a step to the window of steps in flight
+  (`raydist.driver.steps`), which sends it, alone or with the next ones in
+  one message, through the transport (`raydist.driver.transport`);
 - every failure, from either, reaches the caller through `RankGroup.gather`:
   `RankError` naming the rank, the group torn down once.
 """
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from ..messages import StepMessage
+from ..messages import Parcel, StepMessage
 from .group import RankGroup, call_on
 from .steps import Step, Window
 from .transport import open_transport
@@ -35,13 +35,15 @@ class RankClient:
     """The ranks of one `RankGroup`, the steps in flight to them, and how steps travel.
 
     ``first_step``: the number of the first step (steps are counted across
-    restarts, so errors and checkpoints name the right one).
+    restarts, so errors and checkpoints name the right one);
+    ``steps_per_message``: see `raydist.driver.steps.Window`.
     """
 
     def __init__(self, group: RankGroup, *, max_in_flight: int, compiled: bool, step_timeout: float | None,
-                 first_step: int = 0):  # fmt: skip
+                 first_step: int = 0, steps_per_message: int | str = 1):  # fmt: skip
         self.group = group
-        self.window = Window(max_in_flight, first_step)
+        self.window = Window(max_in_flight, first_step, send=self._send, receive=self._receive,
+                             most=steps_per_message)  # fmt: skip
         self._compiled = compiled
         self._timeout = None if step_timeout is None else step_timeout + REPORT_GRACE_S
         self._transport = None
@@ -86,11 +88,20 @@ class RankClient:
         call_on([self.group.actors[rank]], method, *args, **kwargs)
 
     def step(self, message: StepMessage, finish: Callable[[list], Any]) -> Step:
-        """Send one step; ``finish`` turns the ranks' results into the step's (on completion)."""
+        """Add one step; ``finish`` turns the ranks' results into the step's (on completion)."""
+        self.group.check_alive()
+        return self.window.submit(message, finish)
+
+    def _send(self, first: int, messages: list[StepMessage]) -> Any:
         self.group.check_alive()
         transport = self._open()
-        return self.window.submit(lambda: transport.send(message),
-                                  lambda ticket, during: finish(transport.receive(ticket, during)))  # fmt: skip
+        return transport, transport.send(Parcel(first, tuple(messages)))
+
+    def _receive(self, ticket: tuple, steps: range) -> list[list]:
+        """Each step's results from the ranks (a rank whose results are not read answers None)."""
+        transport, sent = ticket
+        answers = transport.receive(sent, steps)
+        return [[None if a is None else a[i] for a in answers] for i in range(len(steps))]
 
     def drain(self) -> None:
         """Complete every step in flight; raises the first failure."""

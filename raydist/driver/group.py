@@ -208,8 +208,9 @@ class RankGroup:
             raise GroupShutdownError("the rank group is shut down (after shutdown() or a rank failure)")
 
     def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
-               timeout: float | None = None) -> list:  # fmt: skip
-        """Results of ``refs`` (one per rank in ``ranks``, default all, in order).
+               timeout: float | None = None, steps: range | None = None) -> list:  # fmt: skip
+        """Results of ``refs`` (one per rank in ``ranks``, default all, in order; ``steps``:
+        the steps they run, if they are a message's).
 
         - A call every rank refused (`UsageError`: the caller's mistake, nothing
           changed on the ranks) raises that `UsageError`; the group stays.
@@ -233,7 +234,8 @@ class RankGroup:
                 refusal = self._refusal(refs)
                 if refusal is not None:
                     raise refusal from None
-            raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1) from e
+            broke_off = _steps_failed(refs) if steps is not None and len(steps) > 1 else []
+            raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1, steps, broke_off) from e
 
     def _refusal(self, refs: Sequence) -> UsageError | None:
         """The `UsageError` every rank refused a call with; None if some did not refuse in time."""
@@ -261,15 +263,24 @@ class RankGroup:
             during=during,
         )
 
-    def fail(self, e: BaseException, during: str, rank: int = -1) -> RankError:
+    def fail(self, e: BaseException, during: str, rank: int = -1, steps: range | None = None,
+             broke_off: Sequence[int] = ()) -> RankError:  # fmt: skip
         """Tear the group down after ``e``; the error to raise, naming the root cause.
 
         A rank's death makes its peers' collectives fail too, sometimes before
-        Ray reports the death: a dead rank, if any, is the one to name.
+        Ray reports the death: a dead rank, if any, is the one to name. When it
+        died inside a message of several ``steps``, the step is the earliest one
+        a survivor is in or broke off in (``broke_off``: steps that failed on the
+        ranks): the dead rank's peers wait for it there.
         """
         dead = self._dead_rank() if self._alive else None
         if dead is not None:
-            rank, e = dead
+            failed = getattr(getattr(e, "cause", None), "step", None)  # a peer's step that broke off
+            rank, e, running = dead
+            running += [failed] if failed is not None else []
+            running += list(broke_off)
+            if steps is not None and len(steps) > 1 and running:
+                during = f"step {min(running)}"
             for callback in self._on_death:
                 try:
                     callback(self)
@@ -280,15 +291,20 @@ class RankGroup:
         self.shutdown()
         return _rank_error(e, rank, during)
 
-    def _dead_rank(self, timeout: float = DEATH_GRACE_S) -> tuple[int, Exception] | None:
+    def _dead_rank(self, timeout: float = DEATH_GRACE_S) -> tuple[int, Exception, list[int]] | None:
+        """A dead rank, its death, and the numbers of the steps the live ranks run; None if none died."""
         pings = [a.ping.remote() for a in self.actors]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        dead, running = None, []
         for ref in ready:
             try:
-                ray.get(ref)
+                answer = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                return pings.index(ref), e
-        return None
+                dead = dead or (pings.index(ref), e)
+                continue
+            if answer is not None:
+                running.append(answer)
+        return None if dead is None else (*dead, running)
 
     def rank_of(self, e: BaseException) -> int:
         """Which rank a failure came from: `RankFailed` says; a death names its actor."""
@@ -339,6 +355,20 @@ class RankGroup:
             callback()
 
 
+def _steps_failed(refs: Sequence, wait_s: float = 0.2) -> list[int]:
+    """The steps that the ranks of ``refs`` (a message's) said they failed in, within ``wait_s``."""
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    found = []
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - only the step is wanted
+            step = getattr(getattr(e, "cause", None), "step", None)
+            if step is not None:
+                found.append(step)
+    return found
+
+
 def _refused(e: BaseException) -> bool:
     return isinstance(getattr(e, "cause", None), RankRefused)
 
@@ -348,7 +378,7 @@ def _rank_error(e: BaseException, rank: int, during: str) -> RankError:
         return RankError(rank, str(e).strip() or type(e).__name__, died=True, during=during)
     cause = getattr(e, "cause", None)
     if isinstance(cause, RankFailed):
-        return RankError(cause.rank, cause.traceback, during=during)
+        return RankError(cause.rank, cause.traceback, during=during if cause.step is None else f"step {cause.step}")
     if isinstance(e, ray.exceptions.RayTaskError):
         return RankError(rank, _task_traceback(e), during=during)
     return RankError(rank, f"{type(e).__name__}: {e}", during=during)

@@ -2,9 +2,16 @@
 
 A `DistModel` call dispatches a step to every rank and returns at once: a
 `Loss` for train and eval, read from the ranks only when it is used as a
-number. At most ``max_in_flight`` steps are outstanding; dispatching one
-more first completes the oldest, so a failure surfaces at most that many
-calls later, as a `RankError` naming the step, the rank and its traceback.
+number. At most ``max_in_flight`` messages are outstanding. A call made
+while they are is held at the driver and goes out with the next message,
+which leaves as soon as the oldest message is done, or at once when it holds
+``steps_per_message`` steps (after waiting for the oldest). The ranks run a
+message's steps back to back, so a loop of short steps costs the driver one
+message per many steps, not one per step (ranks are never left idle for it:
+the held steps leave the moment there is room). A failure surfaces a few
+calls later, as a `RankError` naming the step, the rank and its traceback;
+reading a loss, a mode switch or any other call to the ranks sends what is
+held first.
 
 Steps complete in order, from any thread (a progress thread may read a
 `Loss` while the main thread sends). Ctrl-C (``KeyboardInterrupt``) while
@@ -23,27 +30,35 @@ import numbers
 import operator
 import signal
 import threading
+import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+# steps_per_message="auto": a message holds steps for about this long (so the
+# driver's cost per message is a small share), and at most AUTO_MOST of them
+# (so a progress bar still moves, and a failure is not far behind).
+MESSAGE_S = 0.1
+AUTO_MOST = 64
+
 
 class Step:
-    """One dispatched step: its ticket (what the transport returned) until done, then its result or error."""
+    """One step: held at the driver, then sent in a message (`Parcel`), then done with its result or error."""
 
-    __slots__ = ("number", "ticket", "finish", "_window", "_value", "_error", "done")
+    __slots__ = ("number", "message", "finish", "parcel", "_window", "_value", "_error", "done")
 
-    def __init__(self, number: int, ticket: Any, finish: Callable[[Any, str], Any], window: "Window"):
+    def __init__(self, number: int, message: Any, finish: Callable[[Any], Any], window: "Window"):
         self.number = number
-        self.ticket = ticket
-        self.finish = finish  # (ticket, "step N") -> the step's result, raising a rank's failure
+        self.message = message  # until sent
+        self.finish = finish  # the ranks' results of this step -> the step's result
+        self.parcel: Parcel | None = None  # once sent
         self._window = window
         self._value = None
         self._error: BaseException | None = None
         self.done = False
 
     def result(self) -> Any:
-        """The step's result; waits for it (and every older step)."""
+        """The step's result; sends it if it is still held, and waits for it (and every older step)."""
         if not self.done:
             self._window.complete_through(self)
         if self._error is not None:
@@ -51,71 +66,160 @@ class Step:
         return self._value
 
 
-class Window:
-    """The steps in flight, oldest first, at most ``size`` of them; numbered from ``first``."""
+class Parcel:
+    """Steps sent in one message; ``ticket`` is what the transport returned for it."""
 
-    def __init__(self, size: int, first: int = 0):
+    __slots__ = ("steps", "ticket", "sent_at")
+
+    def __init__(self, steps: list[Step], ticket: Any):
+        self.steps = steps
+        self.ticket = ticket
+        self.sent_at = time.monotonic()
+
+    @property
+    def numbers(self) -> range:
+        return range(self.steps[0].number, self.steps[-1].number + 1)
+
+
+class Window:
+    """The steps not yet done, oldest first: at most ``size`` messages in flight; numbered from ``first``.
+
+    ``send(first, messages)`` sends the messages of consecutive steps as one
+    message and returns its ticket; ``receive(ticket, numbers)`` waits for it
+    and returns each step's results from the ranks (raising a failure).
+    ``most``: steps per message at most; "auto" (`AUTO_MOST`) sizes messages
+    to about `MESSAGE_S` of steps, from the steps' measured pace.
+    """
+
+    def __init__(self, size: int, first: int = 0, *, send: Callable[[int, list], Any],
+                 receive: Callable[[Any, range], list], most: int | str = 1):  # fmt: skip
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"max_in_flight must be a positive int, got {size!r}")
+        if most != "auto" and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
+            raise ValueError(f"steps_per_message must be a positive int or 'auto', got {most!r}")
         self.size = size
-        self._steps: collections.deque[Step] = collections.deque()
+        self._send, self._receive = send, receive
+        self._auto = most == "auto"
+        self.most = AUTO_MOST if self._auto else most
+        self._k = 1 if self._auto else most  # steps per message now
+        self._sent: collections.deque[Parcel] = collections.deque()
+        self._held: list[Step] = []  # submitted while `size` messages were in flight
         self._count = first
-        self._lock = threading.Lock()  # the deque and the count
-        self._completing = threading.Lock()  # one thread waits for the oldest step at a time
+        self.messages = 0  # messages sent
+        self._done_at: float | None = None  # when the last message was done
+        self._lock = threading.Lock()  # the queues and the count
+        self._completing = threading.Lock()  # one thread waits for the oldest message at a time
 
-    def submit(self, send: Callable[[], Any], finish: Callable[[Any, str], Any]) -> Step:
-        """Make room (complete the oldest steps), then ``send`` one; ``send`` returns its ticket."""
-        while True:
-            with _interrupts_deferred(), self._lock:
-                if len(self._steps) < self.size:
-                    step = Step(self._count, send(), finish, self)
-                    self._count += 1
-                    self._steps.append(step)
-                    return step
-            self._complete_oldest()
+    def submit(self, message: Any, finish: Callable[[Any], Any]) -> Step:
+        """Add a step. It is sent at once while fewer than ``size`` messages are in flight;
+        otherwise it is held, to go with the next message, which leaves once the oldest
+        message is done and is sent when `steps_per_message` steps are held."""
+        with _interrupts_deferred(), self._lock:
+            step = Step(self._count, message, finish, self)
+            self._count += 1
+            self._held.append(step)
+            if len(self._sent) < self.size:
+                self._send_held()
+                return step
+            if len(self._held) < self._k:
+                return step
+        try:
+            self._complete_oldest()  # which sends what is held
+        except KeyboardInterrupt:
+            with self._lock:  # an interrupted call sends nothing: its step goes
+                if self._held and self._held[-1] is step:
+                    self._held.pop()
+                    self._count -= 1
+            raise
+        return step
 
     def complete_through(self, step: Step) -> None:
         while not step.done:
+            with _interrupts_deferred(), self._lock:
+                if step.parcel is None and len(self._sent) < self.size:
+                    self._send_held()
+                    continue
             self._complete_oldest()
 
     def drain(self) -> None:
-        """Complete every step in flight (raising the first failure)."""
-        while self._steps:
+        """Send what is held, and complete every step (raising the first failure)."""
+        while self._sent or self._held:
             self._complete_oldest()
 
     def __len__(self) -> int:
-        return len(self._steps)
+        """Steps not done yet (held or in flight)."""
+        return sum(len(p.steps) for p in self._sent) + len(self._held)
 
     @property
     def oldest(self) -> int | None:
-        """The number of the oldest step in flight (being completed, or failing); None if none."""
-        steps = self._steps
-        return steps[0].number if steps else None
+        """The number of the oldest step not done (being completed, or failing); None if none."""
+        if self._sent:
+            return self._sent[0].steps[0].number
+        return self._held[0].number if self._held else None
 
     @property
     def submitted(self) -> int:
-        """The number the next step will get (steps sent so far, counted from ``first``)."""
+        """The number the next step will get (steps submitted so far, counted from ``first``)."""
         return self._count
+
+    def _send_held(self) -> None:
+        """Send the held steps as one message (with the lock held)."""
+        steps, self._held = self._held, []
+        try:
+            ticket = self._send(steps[0].number, [s.message for s in steps])
+        except BaseException as e:
+            for step in steps:
+                step._error, step.done = e, True
+            raise
+        for step in steps:
+            step.message = None
+        parcel = Parcel(steps, ticket)
+        for step in steps:
+            step.parcel = parcel
+        self._sent.append(parcel)
+        self.messages += 1
 
     def _complete_oldest(self) -> None:
         with self._completing:
-            with self._lock:
-                if not self._steps:
+            with _interrupts_deferred(), self._lock:
+                if not self._sent:
+                    if self._held:
+                        self._send_held()
                     return
-                step = self._steps[0]
+                parcel = self._sent[0]
             try:
-                value = step.finish(step.ticket, f"step {step.number}")
+                results = self._receive(parcel.ticket, parcel.numbers)
+                values = [step.finish(r) for step, r in zip(parcel.steps, results)]
             except KeyboardInterrupt as e:
-                raise KeyboardInterrupt(self._interrupted(step)) from e
+                raise KeyboardInterrupt(self._interrupted(parcel.steps[0])) from e
             except BaseException as e:
-                with self._lock:
-                    for failed in self._steps:  # the group is gone: the later steps cannot complete
-                        failed._error, failed.done, failed.ticket = e, True, None
-                    self._steps.clear()
+                with self._lock:  # the group is gone: the later steps cannot complete
+                    for p in self._sent:
+                        for failed in p.steps:
+                            failed._error, failed.done = e, True
+                        p.ticket = None
+                    for failed in self._held:
+                        failed._error, failed.done, failed.message = e, True, None
+                    self._sent.clear()
+                    self._held.clear()
                 raise
-            with self._lock:
-                self._steps.popleft()
-                step._value, step.done, step.ticket = value, True, None
+            with _interrupts_deferred(), self._lock:
+                self._sent.popleft()
+                parcel.ticket = None
+                for step, value in zip(parcel.steps, values):
+                    step._value, step.done = value, True
+                self._pace(parcel)
+                if self._held:  # room now: the ranks get the held steps at once
+                    self._send_held()
+
+    def _pace(self, parcel: Parcel) -> None:
+        """Size the next messages (auto) to about MESSAGE_S of steps, from how fast this one went."""
+        now = time.monotonic()
+        began = parcel.sent_at if self._done_at is None else max(parcel.sent_at, self._done_at)
+        self._done_at = now
+        if self._auto:
+            per_step = max(now - began, 1e-6) / len(parcel.steps)
+            self._k = max(1, min(self.most, int(MESSAGE_S / per_step)))
 
     def _interrupted(self, step: Step) -> str:
         last = self._count - 1

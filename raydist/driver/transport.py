@@ -1,6 +1,6 @@
-"""How a step reaches the ranks: one message, the same for every rank.
+"""How steps reach the ranks: one message (a `Parcel` of one or more steps), the same for every rank.
 
-A step message is small and identical for all ranks (each rank works out its
+A message is small and identical for all ranks (each rank works out its
 own shard, and whether its result is read, from what it was told at the mode
 switch), so it is serialized once:
 
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ..messages import StepMessage
+from ..messages import Parcel
 
 if TYPE_CHECKING:
     from .group import RankGroup
@@ -52,12 +52,13 @@ class CallTransport:
         self.group = group
         self.timeout = timeout
 
-    def send(self, message: StepMessage) -> list[ray.ObjectRef]:
-        payload = message if message.nbytes <= INLINE_BYTES else ray.put(message)
+    def send(self, parcel: Parcel) -> list[ray.ObjectRef]:
+        payload = parcel if parcel.nbytes <= INLINE_BYTES else ray.put(parcel)
         return [actor.run.remote(payload) for actor in self.group.actors]
 
-    def receive(self, refs: list[ray.ObjectRef], during: str) -> list:
-        return self.group.gather(refs, during, timeout=self.timeout)
+    def receive(self, refs: list[ray.ObjectRef], steps: range) -> list:
+        timeout = None if self.timeout is None else self.timeout * len(steps)
+        return self.group.gather(refs, during(steps), timeout=timeout, steps=steps)
 
     def close(self) -> None:
         pass
@@ -89,22 +90,23 @@ class CompiledTransport:
         self._graph = dag.experimental_compile(_max_inflight_executions=max_in_flight)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydist-graph")
 
-    def send(self, message: StepMessage) -> _Ticket:
-        return _Ticket(self._thread.submit(self._graph.execute, message))
+    def send(self, parcel: Parcel) -> _Ticket:
+        return _Ticket(self._thread.submit(self._graph.execute, parcel))
 
-    def receive(self, ticket: _Ticket, during: str) -> list:
+    def receive(self, ticket: _Ticket, steps: range) -> list:
+        timeout = None if self.timeout is None else self.timeout * len(steps)
         if ticket.read is None:
-            ticket.read = self._thread.submit(self._read, ticket.sent)
+            ticket.read = self._thread.submit(self._read, ticket.sent, timeout)
         try:
             return ticket.read.result()  # Ctrl-C interrupts this wait, not the read
         except _Stuck as e:
-            raise self.group.timed_out(e.ranks, during, self.timeout) from e.__cause__
+            raise self.group.timed_out(e.ranks, during(steps), timeout) from e.__cause__
         except Exception as e:
-            raise self.group.fail(e, during) from e
+            raise self.group.fail(e, during(steps), steps=steps) from e
 
-    def _read(self, sent: concurrent.futures.Future) -> list:
+    def _read(self, sent: concurrent.futures.Future, timeout: float | None) -> list:
         results = []
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         refs = sent.result()
         try:
             for ref in refs:
@@ -127,6 +129,11 @@ class CompiledTransport:
             quiet.setLevel(level)
             thread, self._thread = self._thread, None
             thread.shutdown(wait=False, cancel_futures=True)
+
+
+def during(steps: range) -> str:
+    """What a message's failure happened during, as far as the driver knows (a rank may say which step)."""
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
 def open_transport(group: "RankGroup", max_in_flight: int, compiled: bool, timeout: float | None):

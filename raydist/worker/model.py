@@ -31,6 +31,7 @@ class ModelService:
         self.collect = False  # whether the driver reads this rank's step results (set per mode)
         self._thread_device = None
         self._starts: collections.deque = collections.deque(maxlen=100_000)
+        self.running: int | None = None  # the number of the step running now (or waiting for its data)
         self.trained = 0  # train steps completed since the build (the live state's position)
         self.broke_off = False  # whether the last train step raised (a peer's death, say)
         self._idle = threading.Event()  # no step running: the state is between two steps
