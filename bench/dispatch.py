@@ -22,6 +22,7 @@ import ray
 import raydist
 from raydist.driver import model as driver_model
 from raydist.driver.group import GroupConfig
+from raydist.messages import BuildReport
 from raydist.protocol import RankActor
 from raydist.topology import Layout, Mesh, ModePlan
 
@@ -29,16 +30,22 @@ from raydist.topology import Layout, Mesh, ModePlan
 class NullRank(RankActor):
     """A rank that answers like one and does no Paddle work: a pure data-parallel mesh."""
 
+    def warm_up(self, quiet):
+        pass
+
     def setup(self, env, use_gpu, data_timeout=None):
         self.starts = []
         return []
 
     def build(self, payload):
         self._mesh = Mesh.of(list(range(self.world_size)), ["dp"])
-        return [self._mesh]
+        return BuildReport([self._mesh], None)
 
     def set_specs(self, inputs, labels):
         pass
+
+    def state_meta(self, mode="all"):
+        return {}
 
     def set_mode(self, mode):
         plan = ModePlan([Layout(self._mesh, (), ((0, "avg"),))])

@@ -14,7 +14,7 @@ For each model, the same model, data and ranks under these runners, round-robin:
 - *raydist, driver batches*: numpy batches passed to ``dm(x, y)``;
 - *raydist, driver batches, compiled graph* (``compiled``, not run by default):
   the same with ``dispatch="compiled"``, whose channels busy-wait.
-Reports the median step time, steps/s, the ratio to native, time to first
+Reports the mean step time (median of the runs), steps/s, the ratio to native, time to first
 step, peak memory per rank, the share of time ranks wait for data, and
 whether native and raydist's driver batches computed the losses of the same
 model trained in ONE plain process (bench/reference.py). ``dispatch`` measures the
@@ -206,7 +206,9 @@ def models_table(args) -> str:
         for runner in runners:
             label = RUNNERS[runner][0]
             first = runs[runner][0]
-            med = statistics.median(statistics.median(r["times"]) for r in runs[runner])
+            # each run's mean step (its wall time over its steps: messages of several steps leave the
+            # driver's cost between them, not inside), and the median of the runs
+            med = statistics.median(statistics.fmean(r["times"]) for r in runs[runner])
             base = base or med
             # the loader's split orders rows its own way: its losses are not step-by-step comparable
             same = "n/a" if runner == "loader" else (
@@ -218,7 +220,7 @@ def models_table(args) -> str:
             rows.append(f"| {name} | {label} | {med * 1e3:.2f} | {1 / med:.1f} | {med / base:.3f} | {first_step:.1f} "
                         f"| {peak:.0f} | {wait} | {batch_size(name) / dp / med:.0f} | {same} |")  # fmt: skip
             print(rows[-1], flush=True)
-    header = ("| model | runner | median step (ms) | steps/s | x native | time to first step (s) "
+    header = ("| model | runner | step (ms, mean of a run) | steps/s | x native | time to first step (s) "
               "| peak memory per rank (MiB) | data wait (% of time) | rows/s per rank | same losses |")  # fmt: skip
     return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
 

@@ -71,12 +71,15 @@ class Member:
         self.rank = rank
         self.world_size = world_size
 
+    @ray.method(concurrency_group=ASIDE)
     def place(self) -> tuple[RankPlace, int]:
         return here(), os.getpid()
 
+    @ray.method(concurrency_group=ASIDE)
     def free_port(self) -> int:
         return free_port()
 
+    @ray.method(concurrency_group=ASIDE)
     def port_is_free(self, port: int) -> bool:
         with socket.socket() as s:
             try:
@@ -102,6 +105,14 @@ class RankActor(Member):
         self.model = None  # raydist.worker.model.ModelService, once joined
         self.data = None  # raydist.worker.data.DataService, once joined
         self.device = "cpu"
+
+    def warm_up(self, quiet: bool, modules: tuple[str, ...] = ()) -> None:
+        """Import Paddle (and ``modules``) while the group is placed (CPU ranks: nothing it
+        does depends on the rank). In the thread of the driver's calls, as `setup` and the
+        steps; the rendezvous calls answer from another meanwhile."""
+        from .worker.join import warm_up
+
+        warm_up(quiet, modules)
 
     @reports_rank
     def setup(self, env: dict[str, str], use_gpu: bool, data_timeout: float | None = None) -> list[str]:

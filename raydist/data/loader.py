@@ -125,7 +125,8 @@ class ShardDataloader:
         self._client: RankClient | None = None  # the ranks that read (set by the DistModel)
         self._view = self._own  # the meshes of the ranks that read
         self._epoch: _Epoch | None = None
-        self._epochs = itertools.count()
+        self._next = 0  # the epoch `loader()` starts next
+        self._prepared: tuple[int, list] | None = None  # (epoch, its splits), made ahead
 
     # -- what Paddle's loader offers ----------------------------------------------
 
@@ -134,7 +135,7 @@ class ShardDataloader:
         return self.__iter__()
 
     def __iter__(self) -> Iterator:
-        return self.epoch(next(self._epochs))
+        return self.epoch(self._next)
 
     def epoch(self, number: int, start: int = 0) -> Iterator:
         """Epoch ``number`` (its shuffle depends on it), from step ``start`` on: to resume."""
@@ -143,9 +144,23 @@ class ShardDataloader:
                 f"the dataset has {self.rows()} rows: fewer than one global batch of {self.batch_size} "
                 f"({self.dp} data-parallel groups of {self.local_batch_size})"
             )
-        self._epochs = itertools.count(number + 1)
+        self._next = number + 1
         self._epoch = _Epoch(self, number, start)
         return self._epoch
+
+    def prepare(self) -> None:
+        """Split the next epoch now, ahead of its first step: a Ray Dataset's split starts a
+        coordinator actor, which takes seconds, and its start then overlaps other work
+        (the ranks' start, the epoch before)."""
+        if self._prepared is None or self._prepared[0] != self._next:
+            self._prepared = (self._next, self._source.splits(self.dp, self._next, self.shuffle, self.seed))
+
+    def _splits(self, epoch: int) -> list:
+        """Epoch ``epoch``'s splits: the prepared ones if they are its."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == epoch:
+            return prepared[1]
+        return self._source.splits(self.dp, epoch, self.shuffle, self.seed)
 
     def __len__(self) -> int:
         """Steps per epoch (every data-parallel group takes the same number)."""
@@ -288,7 +303,7 @@ class _Epoch:
 
     def _open(self) -> None:
         loader, client = self.loader, self.loader._client
-        shards = loader._source.splits(loader.dp, self.number, loader.shuffle, loader.seed)
+        shards = loader._splits(self.number)
         readers = loader.readers()
         per_group = len(shards) // len(readers)  # more than one for an elastic model below its largest size
         keys = tuple(f.key for f in loader.fields)
@@ -301,6 +316,8 @@ class _Epoch:
             members = [None if r == reader else client.actor(r) for r in loader.members(g, client.size)]
             client.tell(reader, RankActor.data_open, order, members)
         self.opened = True
+        if self.number + 1 == loader._next:
+            loader.prepare()  # the next epoch's split starts while this one runs
 
 
 def _check_dtype(field: Field) -> None:

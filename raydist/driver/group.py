@@ -62,6 +62,8 @@ class GroupConfig:
         actor_class: the actors: `RankActor` (they join Paddle's process group),
             or another `raydist.protocol.Member` that starts its own processes
             from `RankGroup.envs` (`raydist launch`).
+        preload: modules CPU ranks import while they start (``ray.data`` when
+            they will read a loader).
     """
 
     num_workers: int
@@ -75,6 +77,7 @@ class GroupConfig:
     runtime_env: dict | None = None
     step_timeout_s: float | None = None
     actor_class: type[Member] = RankActor
+    preload: tuple[str, ...] = ()
 
     def bundle(self) -> dict[str, float]:
         if self.resources_per_rank is not None:
@@ -173,6 +176,9 @@ class RankGroup:
             for rank, b in enumerate(order)
         ]
         self._alive = True
+        if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:
+            for actor in self.actors:  # GPU ranks import Paddle once their devices are known
+                actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)
         placed = self.gather([a.place.remote() for a in self.actors], "placement")
         self.places = [p for p, _ in placed]
         self.pids = [pid for _, pid in placed]

@@ -150,11 +150,14 @@ class DistModel:
         self._steps_per_message = steps_per_message
         self._compiled = dispatch == "compiled" or (dispatch == "auto" and use_gpu)
         self._config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
-                                   placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s)  # fmt: skip
+                                   placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s,
+                                   preload=("ray.data",) if loader is not None else ())  # fmt: skip
         init_ray(num_workers, resources_per_rank, use_gpu)
         self._state: ModelState | None = None
         self._lr_scheduler: RankScheduler | None = None
         self._restored_live = False  # whether the last restart() went on from the survivors' state
+        if loader is not None:
+            loader.prepare()  # the first epoch's split starts while the ranks do
         self._start(first_step=0)
         if loader is not None:
             loader.bind(self._client, self._data_meshes)

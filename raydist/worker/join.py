@@ -8,9 +8,11 @@ rank has been placed.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import logging
 import os
+import threading
 import warnings
 
 from ..env import QUIET_GLOG_LEVEL
@@ -18,6 +20,46 @@ from ..env import QUIET_GLOG_LEVEL
 # Paddle warnings every rank repeats and no user can act on.
 NOISE = ("Tensor do not have 'place' interface",)
 NOISE_LOGS = ("is not built by `lazy init`",)
+
+_loading = threading.Lock()
+_loaded: list = []  # [the fixes], once loaded
+
+
+def load(quiet: bool, use_gpu: bool) -> list[str]:
+    """Import Paddle (quietly) and apply raydist's fixes; the fixes. Once per process.
+
+    Nothing here depends on the rank: on CPUs a rank does it while the group is
+    still being placed (`warm_up`), which takes seconds off its start. In the
+    thread that will build the layer: Paddle sets its dygraph mode at import, for
+    the importing thread (and whichever thread looks first).
+    """
+    with _loading:
+        if _loaded:
+            return _loaded[0]
+        if quiet:
+            os.environ["GLOG_minloglevel"] = QUIET_GLOG_LEVEL
+            logging.disable(logging.INFO)
+            for text in NOISE:
+                warnings.filterwarnings("ignore", message=f".*{text}")
+        hush = _stderr_to_nowhere if quiet else contextlib.nullcontext
+        with hush(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
+            import paddle  # noqa: F401
+
+        from .. import compat
+
+        if quiet:
+            logging.getLogger("auto_parallel").addFilter(lambda r: not any(t in r.getMessage() for t in NOISE_LOGS))
+        _loaded.append(compat.apply(use_gpu))
+        return _loaded[0]
+
+
+def warm_up(quiet: bool, modules: tuple[str, ...] = ()) -> None:
+    """`load` for a CPU rank, then import ``modules`` (e.g. ``ray.data`` for a rank that
+    will read a loader's split)."""
+    load(quiet, False)
+    for name in modules:
+        importlib.import_module(name)
 
 
 def join(env: dict[str, str], use_gpu: bool) -> tuple[list[str], str]:
@@ -30,24 +72,13 @@ def join(env: dict[str, str], use_gpu: bool) -> tuple[list[str], str]:
     """
     quiet = env.get("GLOG_minloglevel") == QUIET_GLOG_LEVEL
     os.environ.update(env)
-    if quiet:
-        logging.disable(logging.INFO)
-        for text in NOISE:
-            warnings.filterwarnings("ignore", message=f".*{text}")
-    hush = _stderr_to_nowhere if quiet else contextlib.nullcontext
-    with hush(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
-        import paddle
+    fixes = load(quiet, use_gpu)
+    import paddle
     import paddle.distributed as dist
 
-    from .. import compat
-
-    if quiet:
-        logging.getLogger("auto_parallel").addFilter(lambda r: not any(t in r.getMessage() for t in NOISE_LOGS))
-    fixes = compat.apply(use_gpu)
     device = f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu"
     paddle.set_device(device)
-    with hush():
+    with _stderr_to_nowhere() if quiet else contextlib.nullcontext():
         dist.init_parallel_env()
     # Paddle's handler prints a C++ "FatalError" dump when a rank is killed on
     # shutdown or after a peer's failure; that death is expected.
