@@ -30,7 +30,7 @@ from raydist.topology import Layout, Mesh, ModePlan
 class NullRank(RankActor):
     """A rank that answers like one and does no Paddle work: a pure data-parallel mesh."""
 
-    def warm_up(self, quiet):
+    def warm_up(self, quiet, modules=()):
         pass
 
     def setup(self, env, use_gpu, data_timeout=None):

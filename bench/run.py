@@ -2,7 +2,7 @@
 
     python -m bench [--models mlp-mp2,...] [--runners native,loader,batches,compiled] [--steps 60]
                     [--warmup 10] [--repeat N]
-    python -m bench dispatch [--ranks 2,4,8,16] [--steps 300]
+    python -m bench dispatch [--ranks 2,4,8,16,32,64] [--steps 300]
     python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
     python -m bench pipeline [--steps 40] [--repeat 3]
 
@@ -234,7 +234,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each runner, round-robin (medians)")
-    parser.add_argument("--ranks", default="2,4,8,16", help="dispatch: group sizes")
+    parser.add_argument("--ranks", default="2,4,8,16,32,64", help="dispatch: group sizes")
     parser.add_argument("--dispatch", default="auto", choices=["auto", "compiled", "calls"])
     parser.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args(argv)
@@ -257,7 +257,8 @@ def main(argv=None) -> None:
             from bench.dispatch import dispatch_table
 
             args.steps = args.steps or 300
-            table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup)
+            repeat = args.repeat if "--repeat" in argv else 3
+            table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup, repeat)
         elif args.what == "pipeline":
             from bench.pipeline import pipeline_table
 

@@ -103,9 +103,11 @@ def test_training_through_the_loader_matches_single_process(tagger):
     x, y = rows()
     ref = Reference(sgd())
     with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4) as dm:
+        assert loader._prepared[0] == 0  # the first epoch was split while the ranks started
         for epoch in range(2):
             for step, batch in enumerate(loader()):
-                ids = order[step]
+                ids = order[step]  # every row once, in the probe's order: the prepared split too
+                assert loader._prepared is None or step == 0
                 assert_close(dm(batch["x"], batch["y"]), ref.train(x[ids], y[ids]), what=f"epoch {epoch} step {step}")
         dm.eval()
         batch = next(iter(loader()))

@@ -150,8 +150,9 @@ class ShardDataloader:
 
     def prepare(self) -> None:
         """Split the next epoch now, ahead of its first step: a Ray Dataset's split starts a
-        coordinator actor, which takes seconds, and its start then overlaps other work
-        (the ranks' start, the epoch before)."""
+        coordinator actor, which takes seconds, and its start then overlaps the ranks'.
+        (Not done for later epochs while one runs: a process start beside the steps
+        costs them more, on a machine whose cores the ranks use, than it saves.)"""
         if self._prepared is None or self._prepared[0] != self._next:
             self._prepared = (self._next, self._source.splits(self.dp, self._next, self.shuffle, self.seed))
 
@@ -316,8 +317,6 @@ class _Epoch:
             members = [None if r == reader else client.actor(r) for r in loader.members(g, client.size)]
             client.tell(reader, RankActor.data_open, order, members)
         self.opened = True
-        if self.number + 1 == loader._next:
-            loader.prepare()  # the next epoch's split starts while this one runs
 
 
 def _check_dtype(field: Field) -> None:

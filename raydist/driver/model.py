@@ -85,7 +85,7 @@ class DistModel:
         steps_per_message: calls made while ``max_in_flight`` messages are
             outstanding are held and sent together, up to this many steps in one
             message (the ranks run them back to back, the same numbers as one at
-            a time). "auto": as many as make about 0.1 s of steps, up to 64, from
+            a time). "auto": as many as make about 0.5 s of steps, up to 64, from
             the steps' measured pace; 1: a message per call.
         dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
             Graph: the least driver work per step, but its channels busy-wait,

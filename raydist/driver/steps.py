@@ -7,8 +7,10 @@ while they are is held at the driver and goes out with the next message,
 which leaves as soon as the oldest message is done, or at once when it holds
 ``steps_per_message`` steps (after waiting for the oldest). The ranks run a
 message's steps back to back, so a loop of short steps costs the driver one
-message per many steps, not one per step (ranks are never left idle for it:
-the held steps leave the moment there is room). A failure surfaces a few
+message per many steps, not one per step. The ranks always have the newest
+message to run while the driver gathers the next one; held steps leave as
+soon as the driver sees the oldest message done (it waits for it once
+``steps_per_message`` are held, or a loss is read). A failure surfaces a few
 calls later, as a `RankError` naming the step, the rank and its traceback;
 reading a loss, a mode switch or any other call to the ranks sends what is
 held first.
@@ -38,7 +40,7 @@ import numpy as np
 # steps_per_message="auto": a message holds steps for about this long (so the
 # driver's cost per message is a small share), and at most AUTO_MOST of them
 # (so a progress bar still moves, and a failure is not far behind).
-MESSAGE_S = 0.1
+MESSAGE_S = 0.5
 AUTO_MOST = 64
 
 
