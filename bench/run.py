@@ -5,6 +5,7 @@
     python -m bench dispatch [--ranks 2,4,8,16,32,64] [--steps 300]
     python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
     python -m bench pipeline [--steps 40] [--repeat 3]
+    python -m bench startup [--repeat 2]
 
 For each model, the same model, data and ranks under these runners, round-robin:
 - *native*: N plain processes with paddle.distributed.launch's environment,
@@ -20,7 +21,8 @@ whether native and raydist's driver batches computed the losses of the same
 model trained in ONE plain process (bench/reference.py). ``dispatch`` measures the
 driver's own cost per step as the group grows (bench/dispatch.py); ``elastic``, what a
 lost or joining node costs (bench/elastic.py); ``pipeline``, the bench GPT on two
-pipeline stages next to dp2 and mp2, with each stage's bubble (bench/pipeline.py). Tables are
+pipeline stages next to dp2 and mp2, with each stage's bubble (bench/pipeline.py); ``startup``,
+where a model's start goes (bench/startup.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
 
@@ -228,7 +230,8 @@ def models_table(args) -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="models", choices=["models", "dispatch", "elastic", "pipeline"])
+    parser.add_argument("what", nargs="?", default="models",
+                        choices=["models", "dispatch", "elastic", "pipeline", "startup"])
     parser.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2")
     parser.add_argument("--runners", default="native,loader,batches")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
@@ -259,6 +262,10 @@ def main(argv=None) -> None:
             args.steps = args.steps or 300
             repeat = args.repeat if "--repeat" in argv else 3
             table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup, repeat)
+        elif args.what == "startup":
+            from bench.startup import startup_table
+
+            table = startup_table(args.repeat if "--repeat" in argv else 2)
         elif args.what == "pipeline":
             from bench.pipeline import pipeline_table
 
@@ -278,6 +285,7 @@ def _write(args, argv, table: str) -> None:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with open(ROOT / "BENCHMARKS.md", "a") as f:
             steps = (f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians" if args.what == "elastic"
+                     else "models started one after another" if args.what == "startup"
                      else f"{args.steps} timed steps after {args.warmup} warm-up steps")
             f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {steps}; "
                     f"dispatch {args.dispatch}.\n\n{table}\n")  # fmt: skip
