@@ -178,6 +178,11 @@ def test_auto_dispatch_uses_calls_on_cpu_and_compiled_is_asked_for():
             assert dm._client.transport == expected
     with pytest.raises(ValueError, match="dispatch"):
         raydist.to_static(build("dp"), num_workers=2, dispatch="fast")
+    for bad in (0, "many", True):  # refused at the driver, before any rank starts
+        with pytest.raises(ValueError, match="steps_per_message must be a positive int or 'auto'"):
+            raydist.to_static(build("dp"), num_workers=2, steps_per_message=bad)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        raydist.to_static(build("dp"), num_workers=2, max_in_flight=0)
 
 
 class Slow(paddle.io.Dataset):

@@ -32,7 +32,7 @@ from .group import GroupConfig, RankGroup
 from .inputs import InputSpecs, Specs, array_specs, leaves, to_array
 from .placement import placeable_now
 from .state import ModelState, live_state
-from .steps import Evaluated, Loss
+from .steps import Evaluated, Loss, check_window
 
 if TYPE_CHECKING:
     from .schedule import RankScheduler
@@ -667,11 +667,7 @@ def _check_arguments(layer, loader, loss, optimizer, strategy, metrics, max_in_f
     for metric in metrics or []:
         if not isinstance(metric, paddle.metric.Metric):
             raise TypeError(f"metrics must be paddle.metric.Metric objects, got {type(metric).__name__}")
-    if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
-    if steps_per_message != "auto" and (not isinstance(steps_per_message, int) or isinstance(steps_per_message, bool)
-                                        or steps_per_message < 1):  # fmt: skip
-        raise ValueError(f"steps_per_message must be a positive int or 'auto', got {steps_per_message!r}")
+    check_window(max_in_flight, steps_per_message)
     if dispatch not in DISPATCH:
         raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
 

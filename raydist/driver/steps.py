@@ -44,6 +44,18 @@ MESSAGE_S = 0.5
 AUTO_MOST = 64
 
 
+def check_window(max_in_flight: Any, steps_per_message: Any) -> None:
+    """Refuse a window's size (messages) or steps per message that is not a positive int ("auto" too for the latter)."""
+
+    def positive(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    if not positive(max_in_flight):
+        raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+    if steps_per_message != "auto" and not positive(steps_per_message):
+        raise ValueError(f"steps_per_message must be a positive int or 'auto', got {steps_per_message!r}")
+
+
 class Step:
     """One step: held at the driver, then sent in a message (`Parcel`), then done with its result or error."""
 
@@ -95,10 +107,7 @@ class Window:
 
     def __init__(self, size: int, first: int = 0, *, send: Callable[[int, list], Any],
                  receive: Callable[[Any, range], list], most: int | str = 1):  # fmt: skip
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"max_in_flight must be a positive int, got {size!r}")
-        if most != "auto" and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
-            raise ValueError(f"steps_per_message must be a positive int or 'auto', got {most!r}")
+        check_window(size, most)
         self.size = size
         self._send, self._receive = send, receive
         self._auto = most == "auto"

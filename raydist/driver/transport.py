@@ -57,7 +57,7 @@ class CallTransport:
         return [actor.run.remote(payload) for actor in self.group.actors]
 
     def receive(self, refs: list[ray.ObjectRef], steps: range) -> list:
-        timeout = None if self.timeout is None else self.timeout * len(steps)
+        timeout = _for(self.timeout, steps)
         return self.group.gather(refs, during(steps), timeout=timeout, steps=steps)
 
     def close(self) -> None:
@@ -94,7 +94,7 @@ class CompiledTransport:
         return _Ticket(self._thread.submit(self._graph.execute, parcel))
 
     def receive(self, ticket: _Ticket, steps: range) -> list:
-        timeout = None if self.timeout is None else self.timeout * len(steps)
+        timeout = _for(self.timeout, steps)
         if ticket.read is None:
             ticket.read = self._thread.submit(self._read, ticket.sent, timeout)
         try:
@@ -129,6 +129,11 @@ class CompiledTransport:
             quiet.setLevel(level)
             thread, self._thread = self._thread, None
             thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _for(timeout: float | None, steps: range) -> float | None:
+    """A message's timeout: a step's, for each of its steps."""
+    return None if timeout is None else timeout * len(steps)
 
 
 def during(steps: range) -> str:

@@ -8,11 +8,11 @@ rank has been placed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import logging
 import os
-import threading
 import warnings
 
 from ..env import QUIET_GLOG_LEVEL
@@ -21,10 +21,7 @@ from ..env import QUIET_GLOG_LEVEL
 NOISE = ("Tensor do not have 'place' interface",)
 NOISE_LOGS = ("is not built by `lazy init`",)
 
-_loading = threading.Lock()
-_loaded: list = []  # [the fixes], once loaded
-
-
+@functools.cache
 def load(quiet: bool, use_gpu: bool) -> list[str]:
     """Import Paddle (quietly) and apply raydist's fixes; the fixes. Once per process.
 
@@ -33,25 +30,21 @@ def load(quiet: bool, use_gpu: bool) -> list[str]:
     thread that will build the layer: Paddle sets its dygraph mode at import, for
     the importing thread (and whichever thread looks first).
     """
-    with _loading:
-        if _loaded:
-            return _loaded[0]
-        if quiet:
-            os.environ["GLOG_minloglevel"] = QUIET_GLOG_LEVEL
-            logging.disable(logging.INFO)
-            for text in NOISE:
-                warnings.filterwarnings("ignore", message=f".*{text}")
-        hush = _stderr_to_nowhere if quiet else contextlib.nullcontext
-        with hush(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
-            import paddle  # noqa: F401
+    if quiet:
+        os.environ["GLOG_minloglevel"] = QUIET_GLOG_LEVEL
+        logging.disable(logging.INFO)
+        for text in NOISE:
+            warnings.filterwarnings("ignore", message=f".*{text}")
+    hush = _stderr_to_nowhere if quiet else contextlib.nullcontext
+    with hush(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time noise (e.g. "No ccache found")
+        import paddle  # noqa: F401
 
-        from .. import compat
+    from .. import compat
 
-        if quiet:
-            logging.getLogger("auto_parallel").addFilter(lambda r: not any(t in r.getMessage() for t in NOISE_LOGS))
-        _loaded.append(compat.apply(use_gpu))
-        return _loaded[0]
+    if quiet:
+        logging.getLogger("auto_parallel").addFilter(lambda r: not any(t in r.getMessage() for t in NOISE_LOGS))
+    return compat.apply(use_gpu)
 
 
 def warm_up(quiet: bool, modules: tuple[str, ...] = ()) -> None:
