@@ -65,7 +65,8 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
         # one step at a time: the node goes between two steps, and the survivors break off the
         # next one at the same collective (test_units covers survivors at different steps)
         dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), adamw(), num_workers=(2, 4),
-                               resources_per_rank={"CPU": 1, "rank": 1}, runtime_env=env, max_in_flight=1)
+                               resources_per_rank={"CPU": 1, "rank": 1}, runtime_env=env, max_in_flight=1,
+                               steps_per_message=1)
         placed = raydist.status()
         assert dm.num_workers == 4 and len({s.node_id for s in placed}) == 2, placed
         events, sizes, lose, lost = {}, [], threading.Event(), threading.Event()

@@ -78,6 +78,13 @@ def test_a_failure_fails_the_later_steps_too():
         steps[1].result()
     with pytest.raises(RuntimeError, match="steps 1-1 failed"):
         steps[2].result()
+    # a step held when its window failed never reached the ranks: it fails, and gives its number back
+    ranks = Ranks(fail=1)
+    window = ranks.window(1, first=5)
+    steps = [window.submit(i, lambda r: r[0]) for i in range(2)]
+    with pytest.raises(RuntimeError, match="steps 6-6 failed"):
+        window.submit(2, lambda r: r[0])
+    assert steps[0].result() == 0 and window.submitted == 7 and ranks.sent == [(5, [0]), (6, [1])]
 
 
 def test_an_interrupted_wait_leaves_the_step_in_flight():

@@ -211,6 +211,8 @@ class Window:
                         p.ticket = None
                     for failed in self._held:
                         failed._error, failed.done, failed.message = e, True, None
+                    if self._held:  # never sent: the ranks' next steps take their numbers
+                        self._count = self._held[0].number
                     self._sent.clear()
                     self._held.clear()
                 raise
