@@ -22,7 +22,7 @@ import ray
 import raydist
 from raydist.driver import model as driver_model
 from raydist.driver.group import GroupConfig
-from raydist.messages import BuildReport
+from raydist.messages import BuildReport, StepResults
 from raydist.protocol import RankActor
 from raydist.topology import Layout, Mesh, ModePlan
 
@@ -33,7 +33,7 @@ class NullRank(RankActor):
     def warm_up(self, quiet, modules=()):
         pass
 
-    def setup(self, env, use_gpu, data_timeout=None):
+    def setup(self, env, use_gpu, data_timeout=None, group=None):
         self.starts = []
         return []
 
@@ -54,7 +54,7 @@ class NullRank(RankActor):
 
     def run(self, parcel):
         self.starts.append(time.monotonic())
-        return [[np.float32(1.0)] for _ in parcel.steps] if self.collect else None
+        return StepResults.of([[np.array(1.0, np.float32)] for _ in parcel.steps]) if self.collect else None
 
 
 def per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64) -> dict:
@@ -127,25 +127,28 @@ def bare_per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int
     return {"cpu_us": 1e6 * cpu / steps, "wall_us": 1e6 * wall / steps}
 
 
-PATHS = {  # name in the table: per-step function, dispatch
-    "Ray alone, calls": (bare_per_step, "calls"),
-    "raydist, calls": (per_step, "calls"),
-    "Ray alone, compiled graph": (bare_per_step, "compiled"),
-    "raydist, compiled graph": (per_step, "compiled"),
+PATHS = {  # --paths key: name in the table, per-step function, dispatch
+    "ray-calls": ("Ray alone, calls", bare_per_step, "calls"),
+    "calls": ("raydist, calls", per_step, "calls"),
+    "tree": ("raydist, tree (relayed by the ranks)", per_step, "tree"),
+    "ray-compiled": ("Ray alone, compiled graph", bare_per_step, "compiled"),
+    "compiled": ("raydist, compiled graph", per_step, "compiled"),
 }
 
 
-def dispatch_table(sizes: list[int], steps: int, warmup: int, repeat: int = 3) -> str:
+def dispatch_table(sizes: list[int], steps: int, warmup: int, repeat: int = 3, paths: list[str] | None = None) -> str:
+    paths = list(PATHS) if paths is None else paths
     rows = []
     for n in sizes:
-        runs: dict[str, list[dict]] = {path: [] for path in PATHS}
+        runs: dict[str, list[dict]] = {path: [] for path in paths}
         for _ in range(repeat):  # round-robin, so drifts in the machine's load hit every path alike
-            for path, (measure, dispatch) in PATHS.items():
+            for path in paths:
+                _, measure, dispatch = PATHS[path]
                 runs[path].append(measure(n, steps, warmup, dispatch))
-        for path in PATHS:
+        for path in paths:
             cpu = statistics.median(r["cpu_us"] for r in runs[path])
             wall = statistics.median(r["wall_us"] for r in runs[path])
-            rows.append(f"| {path} | {n} | {cpu:.0f} | {cpu / n:.0f} | {wall:.0f} |")
+            rows.append(f"| {PATHS[path][0]} | {n} | {cpu:.0f} | {cpu / n:.0f} | {wall:.0f} |")
             print(rows[-1], flush=True)
     header = ("| path | ranks (stand-ins, no Paddle) | driver CPU per step (µs) | per rank (µs) "
               "| wall per step (µs) |")  # fmt: skip

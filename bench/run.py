@@ -2,7 +2,8 @@
 
     python -m bench [--models mlp-mp2,...] [--runners native,loader,batches,compiled] [--steps 60]
                     [--warmup 10] [--repeat N]
-    python -m bench dispatch [--ranks 2,4,8,16,32,64] [--steps 300]
+    python -m bench dispatch [--ranks 2,4,8,16,32,64] [--steps 300] [--paths calls,tree,...]
+    python -m bench restart [--models mlp-dp2xmp2] [--repeat 3]
     python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
     python -m bench pipeline [--steps 40] [--repeat 3]
     python -m bench startup [--repeat 2]
@@ -22,7 +23,8 @@ model trained in ONE plain process (bench/reference.py). ``dispatch`` measures t
 driver's own cost per step as the group grows (bench/dispatch.py); ``elastic``, what a
 lost or joining node costs (bench/elastic.py); ``pipeline``, the bench GPT on two
 pipeline stages next to dp2 and mp2, with each stage's bubble (bench/pipeline.py); ``startup``,
-where a model's start goes (bench/startup.py). Tables are
+where a model's start goes (bench/startup.py); ``restart``, a killed rank's cost until the next
+step, with and without spare ranks (bench/restart.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
 
@@ -74,7 +76,7 @@ def run_native(name: str, warmup: int, steps: int) -> dict:
             "first_step_s": r0["first_step_at"] - start, "peak_mib": max(r["peak_mib"] for r in results)}  # fmt: skip
 
 
-def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | None = None):
+def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | None = None, **kwargs):
     import paddle
 
     import raydist
@@ -84,7 +86,7 @@ def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | Non
         lambda: models.build_layer(name), loader, models.loss(name),
         lambda p: paddle.optimizer.AdamW(1e-3, parameters=p), strategy=models.strategy(name),
         num_workers=models.world_size(name), runtime_env=RANK_ENV, max_in_flight=max_in_flight,
-        dispatch=dispatch or DISPATCH[0],
+        dispatch=dispatch or DISPATCH[0], **kwargs,
     )  # fmt: skip
 
 
@@ -231,14 +233,16 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="models",
-                        choices=["models", "dispatch", "elastic", "pipeline", "startup"])
+                        choices=["models", "dispatch", "elastic", "pipeline", "startup", "restart"])
     parser.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2")
     parser.add_argument("--runners", default="native,loader,batches")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each runner, round-robin (medians)")
     parser.add_argument("--ranks", default="2,4,8,16,32,64", help="dispatch: group sizes")
-    parser.add_argument("--dispatch", default="auto", choices=["auto", "compiled", "calls"])
+    parser.add_argument("--dispatch", default="auto", choices=["auto", "compiled", "calls", "tree"])
+    parser.add_argument("--paths", default="ray-calls,calls,tree,ray-compiled,compiled",
+                        help="dispatch: the paths to measure")
     parser.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args(argv)
     DISPATCH[0] = args.dispatch
@@ -261,7 +265,13 @@ def main(argv=None) -> None:
 
             args.steps = args.steps or 300
             repeat = args.repeat if "--repeat" in argv else 3
-            table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup, repeat)
+            table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup, repeat,
+                                   args.paths.split(","))  # fmt: skip
+        elif args.what == "restart":
+            from bench.restart import restart_table
+
+            models = args.models if "--models" in " ".join(argv) else "mlp-dp2xmp2"
+            table = restart_table(models.split(","), args.repeat if "--repeat" in argv else 3)
         elif args.what == "startup":
             from bench.startup import startup_table
 
@@ -286,6 +296,7 @@ def _write(args, argv, table: str) -> None:
         with open(ROOT / "BENCHMARKS.md", "a") as f:
             steps = (f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians" if args.what == "elastic"
                      else "models started one after another" if args.what == "startup"
+                     else "kill to next step, medians" if args.what == "restart"
                      else f"{args.steps} timed steps after {args.warmup} warm-up steps")
             f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {steps}; "
                     f"dispatch {args.dispatch}.\n\n{table}\n")  # fmt: skip

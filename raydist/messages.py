@@ -57,6 +57,11 @@ class LoaderStep:
 StepMessage = Union[ArraysStep, LoaderStep]
 
 
+# Messages up to this size travel inside each call instead of through the
+# object store: a put costs more than pickling a few KiB per rank.
+INLINE_BYTES = 64 * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class Parcel:
     """Consecutive steps in one message, numbered from ``first``: every rank runs them back to back."""
@@ -67,6 +72,36 @@ class Parcel:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResults:
+    """A rank's results of a parcel's steps: ``results[i]`` is step i's list of fetched values
+    (None: a value this rank does not hold). Each value is one array over the steps when the
+    steps' arrays stack (one object to send and to read per message, not one per step and value)."""
+
+    columns: tuple[Any, ...]  # per value: an array with the steps first, a list of the steps' arrays, or None
+    steps: int
+
+    @classmethod
+    def of(cls, per_step: list[list]) -> "StepResults":
+        columns = []
+        for j in range(len(per_step[0]) if per_step else 0):
+            values = [step[j] for step in per_step]
+            if values[0] is None:
+                columns.append(None)
+            elif all(isinstance(v, np.ndarray) and v.shape == values[0].shape and v.dtype == values[0].dtype
+                     for v in values):  # fmt: skip
+                columns.append(np.stack(values))
+            else:
+                columns.append(values)
+        return cls(tuple(columns), len(per_step))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> list:
+        return [None if c is None else c[i] for c in self.columns]
 
 
 @dataclasses.dataclass(frozen=True)

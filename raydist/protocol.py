@@ -13,6 +13,7 @@ import functools
 import os
 import resource
 import socket
+import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import BuildReport, LoaderStep, Parcel, ReadOrder
+from .messages import INLINE_BYTES, BuildReport, LoaderStep, Parcel, ReadOrder, StepResults
 from .topology import ModePlan
 
 if TYPE_CHECKING:
@@ -57,9 +58,14 @@ def free_port() -> int:
 
 # Concurrency groups of the actors (besides Ray's default one, where the calls
 # of the driver run in order): "aside" answers liveness and status checks
-# while a step runs; "data" is a loader's hand-outs, beside the steps.
+# while a step runs; "data" is a loader's hand-outs, beside the steps;
+# "relay" collects a relayed message's results (one thread per message in flight).
 ASIDE = "aside"
 DATA = "data"
+RELAY = "relay"
+RELAY_THREADS = 8
+# How often a rank collecting a relayed message looks at its own step while it waits for its children's.
+RELAY_POLL_S = 0.05
 
 
 class Member:
@@ -98,13 +104,17 @@ class Member:
 class RankActor(Member):
     """One rank of a `raydist.DistModel`: its model service and its data service."""
 
-    concurrency_groups = {ASIDE: 1, DATA: 1}
+    concurrency_groups = {ASIDE: 1, DATA: 1, RELAY: RELAY_THREADS}
 
     def __init__(self, rank: int, world_size: int):
         super().__init__(rank, world_size)
         self.model = None  # raydist.worker.model.ModelService, once joined
         self.data = None  # raydist.worker.data.DataService, once joined
         self.device = "cpu"
+        self.group: str | None = None  # the group's name, once joined
+        self.children: list = []  # the ranks this one relays messages to (`relay`)
+        self._relayed: dict[int, _Relayed] = {}  # by a message's first step
+        self._relaying = threading.Lock()
 
     def warm_up(self, quiet: bool, modules: tuple[str, ...] = ()) -> None:
         """Import Paddle (and ``modules``) while the group is placed (CPU ranks: nothing it
@@ -115,15 +125,19 @@ class RankActor(Member):
         warm_up(quiet, modules)
 
     @reports_rank
-    def setup(self, env: dict[str, str], use_gpu: bool, data_timeout: float | None = None) -> list[str]:
-        """Join the process group; returns the Paddle fixes applied.
+    def setup(self, env: dict[str, str], use_gpu: bool, data_timeout: float | None = None,
+              group: str | None = None) -> list[str]:  # fmt: skip
+        """Join the process group as the rank ``env`` names; returns the Paddle fixes applied.
 
-        ``data_timeout``: how long a step waits for its loader batch (None: no limit).
+        ``data_timeout``: how long a step waits for its loader batch (None: no limit);
+        ``group``: the group's name (a spare was started under another).
         """
         from .worker.data import DataService
         from .worker.join import join
         from .worker.model import ModelService
 
+        self.rank, self.world_size = int(env["PADDLE_TRAINER_ID"]), int(env["PADDLE_TRAINERS_NUM"])
+        self.group = group
         fixes, self.device = join(env, use_gpu)
         self.data = DataService(self.device, data_timeout)
         self.model = ModelService(self.rank, self.world_size, self.device)
@@ -146,7 +160,7 @@ class RankActor(Member):
         return self.model.set_mode(mode)
 
     @reports_rank
-    def run(self, parcel: Parcel) -> list | None:
+    def run(self, parcel: Parcel) -> StepResults | None:
         """The parcel's steps, in order: this rank's local results of each if the driver reads them, else None.
 
         A step that fails says which it was (its number), so the driver names it."""
@@ -162,7 +176,59 @@ class RankActor(Member):
                     raise
         finally:
             self.model.running = None
-        return results if self.model.collect else None
+        return StepResults.of(results) if self.model.collect else None
+
+    # -- relayed messages (`raydist.driver.transport.TreeTransport`) ---------------
+
+    def set_children(self, children: list) -> None:
+        """The actors this rank passes each relayed message on to."""
+        self.children = list(children)
+
+    def relay(self, first: int, payload: Parcel | list) -> None:
+        """Pass the message (its first step: ``first``) on to this rank's children, then run its
+        steps (as `run`); `collect` returns the results. ``payload``: the parcel, or ``[ref]`` to it
+        in the object store (so that it is passed on as a ref, not copied)."""
+        parcel = payload if isinstance(payload, Parcel) else None
+        if parcel is not None and self.children and parcel.nbytes > INLINE_BYTES:
+            payload = [ray.put(parcel)]  # the ranks below borrow it from this one, not from the driver
+        for child in self.children:
+            child.relay.remote(first, payload)  # in order, as every caller's calls to one actor
+        relayed = self._relayed_for(first)
+        try:
+            relayed.results = self.run(parcel if parcel is not None else ray.get(payload[0]))
+        except BaseException as e:  # noqa: BLE001 - `collect` raises it
+            relayed.error = e
+        finally:
+            relayed.done.set()
+
+    @ray.method(concurrency_group=RELAY)
+    def collect(self, first: int) -> dict[int, StepResults]:
+        """The results of the relayed message that begins at step ``first``, of this rank and every
+        rank below it that the driver reads: {rank: its per-step results}. Raises the first failure
+        below (a child's at once, even while this rank's own step waits for the failed one)."""
+        pending = [child.collect.remote(first) for child in self.children]
+        relayed = self._relayed_for(first)
+        out: dict[int, StepResults] = {}
+        while pending and relayed.error is None:
+            # while this rank's own steps run, look at them now and then: a failure here would
+            # leave the children waiting for this rank in a collective
+            timeout = None if relayed.done.is_set() else RELAY_POLL_S
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            for ref in ready:
+                out.update(_result_below(ref))
+        relayed.done.wait()
+        with self._relaying:
+            del self._relayed[first]
+        if relayed.error is not None:
+            raise relayed.error
+        if relayed.results is not None:
+            out[self.rank] = relayed.results
+        return out
+
+    def _relayed_for(self, first: int) -> "_Relayed":
+        """The record of a relayed message, made by `relay` or `collect`, whichever comes first."""
+        with self._relaying:
+            return self._relayed.setdefault(first, _Relayed())
 
     @reports_rank
     def program(self, kind: str, mode: str | None) -> str:
@@ -221,7 +287,7 @@ class RankActor(Member):
         """Who and where (node IP and Ray node id) this rank is, its mode and its peak resident memory (MiB)."""
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         mode = self.model.mode if self.model is not None else None
-        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+        return {"rank": self.rank, "group": self.group, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "device": self.device, "mode": mode,
                 "peak_rss_mib": peak}  # fmt: skip
 
@@ -232,3 +298,25 @@ class RankActor(Member):
         from .compat.collectives import p2p_waited_s
 
         return {"starts": self.model.take_starts(), "wait": self.data.take_wait(), "stage_wait": p2p_waited_s()}
+
+
+class _Relayed:
+    """A relayed message on one rank: its parcel, and this rank's results or failure once its steps ran."""
+
+    __slots__ = ("results", "error", "done")
+
+    def __init__(self):
+        self.results: list | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+def _result_below(ref: ray.ObjectRef) -> dict[int, StepResults]:
+    """A child's `RankActor.collect` result; its failure raised as the child raised it (a rank's
+    `RankFailed` keeps naming that rank; a death stays a death, for the driver to find)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, BaseException):
+            raise e.cause from None
+        raise

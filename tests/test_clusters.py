@@ -187,6 +187,51 @@ def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fi
     assert "restarted at 2 from the survivors like one process" in out and "below the minimum" in out
 
 
+def test_messages_relayed_through_the_ranks_of_two_nodes_train_like_one_process_and_a_lost_node_is_named():
+    """dispatch="tree", dp2 x mp2 over two nodes: the driver sends each message to rank 0, which
+    passes it to its node's other rank and to the other node's first rank. Losses, outputs and
+    parameters of one plain process; a lost node: RankError naming one of its ranks, at once."""
+    out = run_driver(cluster(2) + """
+    import time
+    import paddle
+    import raydist
+    from models import Reference, assert_close, batches, build, sgd
+
+    try:
+        data, ref = batches(8), Reference(sgd())
+        dm = raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4,
+                               resources_per_rank={"CPU": 1, "rank": 1}, dispatch="tree", steps_per_message=3)
+        placed = {s.rank: s.node_id for s in raydist.status()}
+        assert placed[0] == placed[1] != placed[2] == placed[3], placed
+        losses = [dm(x, y) for x, y in data[:6]]  # 0, 1 alone; then 2-4 together, 5 alone
+        assert_close(losses, [ref.train(x, y) for x, y in data[:6]])
+        assert dm._client.transport == "tree" and dm._client._transport.tree == {0: [2, 1], 1: [], 2: [3], 3: []}
+        dm.predict()
+        assert_close(dm(data[6][0]), ref.predict(data[6][0]))
+        params = dm.state_dict("param")
+        for name, value in ref.params().items():
+            assert_close(params[name], value, what=name)
+        dm.train()
+        cluster.remove_node(nodes[1])
+        lost = time.monotonic()
+        try:
+            for x, y in data:
+                dm(x, y)
+            dm.wait()
+            raise AssertionError("a lost node went unnoticed")
+        except raydist.RankError as e:
+            assert e.rank in (2, 3) and e.died and time.monotonic() - lost < 30, (e, time.monotonic() - lost)
+            print(f"RankError naming rank {e.rank} after {time.monotonic() - lost:.1f} s")
+        dm.shutdown()
+        print("relayed like one process")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    """)
+    print(out)
+    assert "relayed like one process" in out
+
+
 @pytest.mark.parametrize("strategy, nodes", [("PACK", 1), ("STRICT_SPREAD", 2)])
 def test_placement_strategy_puts_ranks_on_one_node_or_spreads_them(strategy, nodes):
     out = run_driver(cluster(2) + f"""

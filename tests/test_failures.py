@@ -309,3 +309,37 @@ def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_sto
         params = dm.state_dict("param")
     for name, value in ref.params().items():
         assert_close(params[name], value, what=name)
+
+
+def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
+    """spare_ranks=2 on dp2: started after the group, not listed as ranks; rank 1 killed: restart()
+    adopts both spares (no new process for the ranks), goes on from the survivor's state like one
+    process, and starts two new spares for the next restart; shutdown stops them all."""
+    data, ref = batches(6), Reference(sgd())
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                           spare_ranks=2) as dm:  # fmt: skip
+        for x, y in data[:3]:
+            assert_close(dm(x, y), ref.train(x, y))
+        spare_pids = {pid for _, pid in ray.get([a.place.remote() for a in dm._spares._actors])}
+        assert len(spare_pids) == 2 and not spare_pids & set(dm._client.group.pids)
+        assert sorted(s.rank for s in raydist.status()) == [0, 1]  # spares are no ranks yet
+        pids = list(dm._client.group.pids)
+        os.kill(pids[1], signal.SIGKILL)
+        wait_gone(pids[1:])
+        with pytest.raises(raydist.RankError, match="step 3"):
+            float(dm(*data[3]))
+        dm.restart()
+        assert set(dm._client.group.pids) == spare_pids and dm._client.group.adopted == [0, 1]
+        assert dm._restored_live and len(dm._spares) == 2
+        for x, y in data[3:]:
+            assert_close(dm(x, y), ref.train(x, y))
+        params = dm.state_dict("param")
+        ranks = raydist.status()
+        assert [s.rank for s in ranks] == [0, 1] and {s.pid for s in ranks} == spare_pids
+        assert len({s.group for s in ranks}) == 1  # one group, though the spares were named by the pool
+        new_spares = {pid for _, pid in ray.get([a.place.remote() for a in dm._spares._actors])}
+    for name, value in ref.params().items():
+        assert_close(params[name], value, what=name)
+    wait_gone(list(spare_pids | new_spares))
+    with pytest.raises(ValueError, match="spare_ranks"):
+        raydist.to_static(build("dp"), num_workers=2, spare_ranks=-1)

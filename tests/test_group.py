@@ -2,6 +2,7 @@
 
 import gc
 import socket
+import time
 
 import paddle
 import pytest
@@ -51,8 +52,11 @@ def test_garbage_collection_shuts_the_group_down():
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
     pids, pg = list(dm._client.group.pids), dm._client.group._pg
     del dm
-    gc.collect()
+    gc.collect()  # the group goes down on a thread of its own (never inside a Ray call the collector interrupted)
     wait_gone(pids)
+    deadline = time.monotonic() + 10
+    while placement_group_table(pg)["state"] != "REMOVED" and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert placement_group_table(pg)["state"] == "REMOVED"
 
 

@@ -110,7 +110,7 @@ def test_loss_acts_as_a_float():
 
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("dispatch", ["compiled", "calls"])
+@pytest.mark.parametrize("dispatch", ["compiled", "calls", "tree"])
 def test_steps_run_ahead_and_match_single_process(dispatch):
     data = batches(6)
     ref = Reference(sgd())
@@ -129,7 +129,7 @@ def test_steps_run_ahead_and_match_single_process(dispatch):
 
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("dispatch", ["compiled", "calls"])
+@pytest.mark.parametrize("dispatch", ["compiled", "calls", "tree"])
 def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
     from test_data import MESH, Poisoned
 

@@ -48,6 +48,45 @@ def test_assemble_two_dim_sharding_and_partials():
     np.testing.assert_array_equal(total.assemble({0: np.ones(2), 1: np.ones(2) * 2}), [3, 3])
 
 
+def test_a_relayed_message_reaches_every_rank_once_and_enters_each_node_once():
+    from raydist.driver.transport import relay_tree
+
+    nodes = ["a"] * 9 + ["b"] * 8 + ["c"] * 3 + ["d"] * 2 + ["e"] * 1 + ["f"] * 1
+    tree = relay_tree(nodes, fanout=4)
+    reached, edges, depth = [0], [], {0: 0}
+    for rank in reached:  # breadth first, from rank 0
+        for child in tree[rank]:
+            reached.append(child)
+            edges.append((rank, child))
+            depth[child] = depth[rank] + 1
+    assert sorted(reached) == list(range(len(nodes)))  # every rank once: no rank gets a message twice
+    crossing = [(a, b) for a, b in edges if nodes[a] != nodes[b]]
+    assert sorted(nodes[b] for _, b in crossing) == list("bcdef")  # one crossing into each other node
+    assert all(b == nodes.index(nodes[b]) for _, b in crossing)  # to its first rank
+    assert all(len([c for c in tree[r] if nodes[c] == nodes[r]]) <= 4 for r in tree)
+    assert all(len([c for c in tree[r] if nodes[c] != nodes[r]]) <= 4 for r in tree)
+    assert max(depth.values()) == 3  # a: 0 -> 1..4 -> 5..8; b: 0 -> 9 -> 10..13 -> 14..16
+    assert relay_tree(["x"] * 64)[0] == [1, 2, 3, 4] and max(len(c) for c in relay_tree(["x"] * 64).values()) == 4
+    assert relay_tree(["x"]) == {0: []}
+
+
+def test_auto_dispatch_on_cpus_relays_through_the_ranks_from_eight_on():
+    from raydist.driver.client import RankClient
+
+    class Group:  # all a client reads of its group before the first step
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    def chosen(n, dispatch="auto"):
+        return RankClient(Group(n), max_in_flight=2, dispatch=dispatch, step_timeout=None)._dispatch
+
+    assert (chosen(2), chosen(7), chosen(8), chosen(64)) == ("calls", "calls", "tree", "tree")
+    assert (chosen(64, "calls"), chosen(2, "tree"), chosen(2, "compiled")) == ("calls", "tree", "compiled")
+
+
 def test_cpu_environment():
     places = [RankPlace("n1", "10.0.0.1")] * 2 + [RankPlace("n2", "10.0.0.2")] * 2
     eps = ["10.0.0.1:1", "10.0.0.1:2", "10.0.0.2:1", "10.0.0.2:2"]

@@ -18,10 +18,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import numpy as np
+
 from ..messages import Parcel, StepMessage
+from ..topology import REDUCTIONS
 from .group import RankGroup, call_on
 from .steps import Step, Window
-from .transport import open_transport
+from .transport import TREE_FROM, open_transport
 
 # A step's ranks get this much longer than step_timeout_s at the driver, so a rank's
 # own timeout (waiting step_timeout_s for its loader batch) is what gets reported.
@@ -39,12 +42,13 @@ class RankClient:
     ``steps_per_message``: see `raydist.driver.steps.Window`.
     """
 
-    def __init__(self, group: RankGroup, *, max_in_flight: int, compiled: bool, step_timeout: float | None,
+    def __init__(self, group: RankGroup, *, max_in_flight: int, dispatch: str, step_timeout: float | None,
                  first_step: int = 0, steps_per_message: int | str = 1):  # fmt: skip
         self.group = group
         self.window = Window(max_in_flight, first_step, send=self._send, receive=self._receive,
                              most=steps_per_message)  # fmt: skip
-        self._compiled = compiled
+        # on CPUs (where "auto" is still open), calls to a few ranks, relayed through many
+        self._dispatch = dispatch if dispatch != "auto" else ("tree" if len(group) >= TREE_FROM else "calls")
         self._timeout = None if step_timeout is None else step_timeout + REPORT_GRACE_S
         self._transport = None
         self._opening = threading.Lock()
@@ -59,7 +63,7 @@ class RankClient:
 
     @property
     def transport(self) -> str | None:
-        """"compiled" or "calls" once the first step opened it."""
+        """"compiled", "calls" or "tree" once the first step opened it."""
         return None if self._transport is None else self._transport.name
 
     def actor(self, rank: int):
@@ -97,11 +101,11 @@ class RankClient:
         transport = self._open()
         return transport, transport.send(Parcel(first, tuple(messages)))
 
-    def _receive(self, ticket: tuple, steps: range) -> list[list]:
+    def _receive(self, ticket: tuple, steps: range) -> list["StepAnswers"]:
         """Each step's results from the ranks (a rank whose results are not read answers None)."""
         transport, sent = ticket
-        answers = transport.receive(sent, steps)
-        return [[None if a is None else a[i] for a in answers] for i in range(len(steps))]
+        answers = MessageAnswers(transport.receive(sent, steps))
+        return [StepAnswers(answers, i) for i in range(len(steps))]
 
     def drain(self) -> None:
         """Complete every step in flight; raises the first failure."""
@@ -123,7 +127,51 @@ class RankClient:
             with self._opening:
                 self.group.check_alive()
                 if self._transport is None:
-                    transport = open_transport(self.group, self.window.size, self._compiled, self._timeout)
+                    transport = open_transport(self.group, self.window.size, self._dispatch, self._timeout)
                     self.group.on_shutdown(transport.close)
                     self._transport = transport
         return self._transport
+
+
+class MessageAnswers:
+    """Every rank's answer to one message (a `raydist.messages.StepResults`, or None for a rank
+    whose results are not read), and reductions over ranks done once for all its steps."""
+
+    __slots__ = ("answers", "_reduced")
+
+    def __init__(self, answers: list):
+        self.answers = answers
+        self._reduced: dict[tuple, Any] = {}
+
+    def reduced(self, value: int, ranks: tuple[int, ...], op: str) -> Any:
+        """``op`` over ``ranks`` of the value ``value``, for every step (None if not stacked per step)."""
+        key = (value, ranks, op)
+        if key not in self._reduced:
+            columns = [self.answers[r].columns[value] for r in ranks]
+            if all(isinstance(c, np.ndarray) for c in columns):
+                self._reduced[key] = REDUCTIONS[op](np.stack(columns), axis=0).astype(columns[0].dtype)
+            else:
+                self._reduced[key] = None
+        return self._reduced[key]
+
+
+class StepAnswers:
+    """Step ``step``'s results by rank (``answers[rank]``: that rank's list of fetched values, or None)."""
+
+    __slots__ = ("message", "step")
+
+    def __init__(self, message: MessageAnswers, step: int):
+        self.message, self.step = message, step
+
+    def __getitem__(self, rank: int) -> list | None:
+        answer = self.message.answers[rank]
+        return None if answer is None else answer[self.step]
+
+    def __len__(self) -> int:
+        return len(self.message.answers)
+
+    def reduced(self, value: int, ranks: tuple[int, ...], op: str) -> Any:
+        """``op`` over ``ranks`` of this step's value ``value`` (reduced once for the message); None if
+        the ranks' answers are not stacked per step."""
+        reduced = self.message.reduced(value, ranks, op)
+        return None if reduced is None else reduced[self.step]

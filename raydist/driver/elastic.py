@@ -81,22 +81,24 @@ def sizes_of(num_workers: Any, loader: Any = None) -> Sizes:
     return Sizes(accepted)
 
 
-def size_now(sizes: Sizes, bundle: dict[str, float], freed: int = 0) -> int:
+def size_now(sizes: Sizes, bundle: dict[str, float], freed: int = 0, held: int = 0) -> int:
     """The size to start at: the largest accepted that the cluster can place now.
 
     ``freed``: ranks' bundles a group just released; their room may take a moment
-    to show as free, so wait a little for it.
+    to show as free, so wait a little for it. ``held``: ranks started already
+    (spares), which need no room.
     """
     if not sizes.elastic:
         return sizes.min
     # Room shows up late when a group just let go of it, and comes and goes with short
     # tasks (a loader's Ray Data tasks reading its schema): look for a moment.
     deadline = time.monotonic() + (RELEASE_WAIT_S if freed else LOOK_S)
-    enough = freed if freed else sizes.max  # the room released, or room for the largest size
+    enough = freed if freed else sizes.max - held  # the room released, or room for the largest size
     free = placeable_now(bundle)
     while free < enough and time.monotonic() < deadline:
         time.sleep(0.2)
         free = max(free, placeable_now(bundle))
+    free += held
     size = sizes.fitting(free)
     if size > free:
         log.warning("raydist: room for %d of %s now; starting at %d and waiting for it", free, bundle, size)

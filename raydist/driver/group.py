@@ -86,17 +86,23 @@ class GroupConfig:
 
 
 @functools.cache
-def _remote(actor_class: type[Member]):
+def actor_class_remote(actor_class: type[Member]):
+    """``actor_class`` as a Ray actor class (with its concurrency groups)."""
     return ray.remote(concurrency_groups=actor_class.concurrency_groups)(actor_class)
 
 
 class RankGroup:
-    """``num_workers`` actors that form one Paddle process group."""
+    """``num_workers`` actors that form one Paddle process group.
 
-    def __init__(self, config: GroupConfig):
+    ``spares``: started rank actors (`raydist.driver.spares.SparePool`) to use
+    before starting new ones; the group owns them from here on.
+    """
+
+    def __init__(self, config: GroupConfig, spares: Sequence = ()):
         self.config = config
+        self._spares = list(spares)
+        self.actors: list = list(spares)  # killed with the group, should its start fail
         self.envs: list[dict[str, str]] = []  # each rank's Paddle environment
-        self.actors: list = []
         self.places: list[RankPlace] = []
         self.pids: list[int] = []
         self.fixes: list[str] = []  # the Paddle fixes the ranks applied
@@ -104,6 +110,8 @@ class RankGroup:
         self._owns_pg = False
         self._bundles: list[int] = []
         self.nodes: list[str] = []  # each rank's Ray node id
+        self.adopted: list[int] = []  # the ranks that were spares
+        self.prefix = ""  # of the actors' names
         self._alive = False
         self._on_shutdown: list = []
         self._on_death: list = []
@@ -136,11 +144,12 @@ class RankGroup:
         this runs inside a placement group (a Ray Tune trial, say), that group's last bundles."""
         cfg = self.config
         current = get_current_placement_group()
-        if current is None:
-            self._pg, self._owns_pg = placement_group([cfg.bundle()] * cfg.num_workers,
-                                                      strategy=cfg.placement_strategy), True  # fmt: skip
-            wait_placed(self._pg, cfg.bundle(), cfg.num_workers, cfg.placement_timeout_s)
-            self._bundles = list(range(cfg.num_workers))
+        if current is None or self._spares:
+            missing = cfg.num_workers - len(self._spares)
+            self._owns_pg, self._bundles = True, list(range(missing))
+            if missing:
+                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement_strategy)
+                wait_placed(self._pg, cfg.bundle(), missing, cfg.placement_timeout_s)
             return
         self._pg, self._owns_pg = current, False
         bundles = placement_group_table(current)["bundles"]
@@ -156,29 +165,38 @@ class RankGroup:
         self._bundles = mine
 
     def _spawn(self) -> None:
-        """Start one actor per rank, ranks ordered by node (the driver's first), then bundle."""
+        """Start one actor per rank (or adopt a spare), ranks ordered by node (the driver's
+        first), then spares before bundles."""
         cfg = self.config
-        bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+        self._alive = True
+        nodes = {}  # ("spare", index) or ("bundle", index) -> node
+        if self._spares:
+            placed = self.gather([a.place.remote() for a in self._spares], "placement")
+            nodes.update({("spare", i): p.node_id for i, (p, _) in enumerate(placed)})
+        if self._bundles:
+            bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+            nodes.update({("bundle", b): bundle_nodes[b] for b in self._bundles})
         here = ray.get_runtime_context().get_node_id()
-        order = sorted(self._bundles, key=lambda b: (bundle_nodes[b] != here, bundle_nodes[b], b))
-        self.nodes = [bundle_nodes[b] for b in order]
-        prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
+        order = sorted(nodes, key=lambda k: (nodes[k] != here, nodes[k], k))
+        self.nodes = [nodes[k] for k in order]
+        self.prefix = prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
         res = cfg.bundle()
-        self.actors = [
-            _remote(cfg.actor_class).options(
+        spares, self.actors = self.actors, []
+        for rank, (kind, i) in enumerate(order):
+            if kind == "spare":
+                self.actors.append(spares[i])
+                continue
+            self.actors.append(actor_class_remote(cfg.actor_class).options(
                 name=f"{prefix}-rank-{rank}",
                 num_cpus=res.get("CPU", 0),
                 num_gpus=res.get("GPU", 0),
                 resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=b),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
                 runtime_env=cfg.runtime_env,
-            ).remote(rank, cfg.num_workers)
-            for rank, b in enumerate(order)
-        ]
-        self._alive = True
-        if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:
-            for actor in self.actors:  # GPU ranks import Paddle once their devices are known
-                actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)
+            ).remote(rank, cfg.num_workers))
+            if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:  # GPU ranks: once their devices are known
+                self.actors[-1].warm_up.remote(not cfg.paddle_logs, cfg.preload)
+        self.adopted = [rank for rank, (kind, _) in enumerate(order) if kind == "spare"]
         placed = self.gather([a.place.remote() for a in self.actors], "placement")
         self.places = [p for p, _ in placed]
         self.pids = [pid for _, pid in placed]
@@ -197,7 +215,8 @@ class RankGroup:
         self.envs = [paddle_env(r, self.places, endpoints, master, use_gpu=cfg.use_gpu, paddle_logs=cfg.paddle_logs)
                      for r in range(len(self))]  # fmt: skip
         if issubclass(cfg.actor_class, RankActor):
-            setups = [a.setup.remote(env, cfg.use_gpu, cfg.step_timeout_s) for a, env in zip(self.actors, self.envs)]
+            setups = [a.setup.remote(env, cfg.use_gpu, cfg.step_timeout_s, self.prefix)
+                      for a, env in zip(self.actors, self.envs)]  # fmt: skip
             self.fixes = self.gather(setups, "setup")[0]
 
     # -- results and failures ------------------------------------------------------
@@ -311,6 +330,19 @@ class RankGroup:
             if answer is not None:
                 running.append(answer)
         return None if dead is None else (*dead, running)
+
+    def busy_ranks(self, timeout: float = DEATH_GRACE_S) -> list[int]:
+        """The ranks in a step now, or not answering."""
+        pings = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        idle = set()
+        for ref in ready:
+            try:
+                if ray.get(ref) is None:
+                    idle.add(pings.index(ref))
+            except ray.exceptions.RayActorError:
+                pass
+        return [rank for rank in range(len(self.actors)) if rank not in idle]
 
     def rank_of(self, e: BaseException) -> int:
         """Which rank a failure came from: `RankFailed` says; a death names its actor."""

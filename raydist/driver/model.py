@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,11 +25,12 @@ from ..protocol import RankActor
 from ..specs import from_input_spec
 from ..strategy import check as check_strategy
 from ..strategy import micro_batch_size, micro_batches
-from ..topology import Mesh, ModePlan, stages
+from ..topology import Layout, Mesh, ModePlan, stages
 from .client import RankClient
 from .connect import init_ray
 from .elastic import Sizes, size_now, sizes_of
 from .group import GroupConfig, RankGroup
+from .spares import SparePool
 from .inputs import InputSpecs, Specs, array_specs, leaves, to_array
 from .placement import placeable_now
 from .state import ModelState, live_state
@@ -41,7 +43,7 @@ log = logging.getLogger("raydist")
 
 MODES = ("train", "eval", "predict")
 GROW_PLACEMENT_S = 30.0  # how long growing waits for the room it saw before settling for what fits
-DISPATCH = ("auto", "compiled", "calls")
+DISPATCH = ("auto", "compiled", "calls", "tree")
 
 
 class DistModel:
@@ -90,12 +92,20 @@ class DistModel:
         dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
             Graph: the least driver work per step, but its channels busy-wait,
             a core per waiting process), "calls" (one actor call per rank),
-            or "auto": compiled with GPUs, calls on CPUs, where ranks need
-            every core (see `raydist.driver.transport` and BENCHMARKS.md).
+            "tree" (the driver sends each message to rank 0, the ranks pass it
+            on from node to node and within nodes, and the results come back
+            the same way: the driver's cost does not grow with the ranks), or
+            "auto": compiled with GPUs; on CPUs, where ranks need every core,
+            calls below 8 ranks and tree from 8 (see `raydist.driver.transport`
+            and BENCHMARKS.md).
         step_timeout_s: how long a step may take (and a rank may wait for its
             loader batch) before its ranks count as stuck: then `RankError`, and
             the ranks are torn down. None: no limit. A dead rank is reported at
             once, whatever this is.
+        spare_ranks: rank actors kept started (process up, Paddle imported on
+            CPUs) and joined to nothing, each holding one rank's resources, for
+            the next `restart` (a failure, in `fit` too) or resize to use instead
+            of starting processes (`python -m bench restart`). 0: none.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -125,14 +135,20 @@ class DistModel:
         steps_per_message: int | str = "auto",
         dispatch: str = "auto",
         step_timeout_s: float | None = 900.0,
+        spare_ranks: int = 0,
     ) -> None:
         _check_arguments(layer, loader, loss, optimizer, strategy, metrics, max_in_flight, dispatch, steps_per_message)
+        if not isinstance(spare_ranks, int) or isinstance(spare_ranks, bool) or spare_ranks < 0:
+            raise ValueError(f"spare_ranks must be an int >= 0, got {spare_ranks!r}")
         check_strategy(strategy, use_gpu)
         inputs, labels = from_input_spec(input_spec) if input_spec is not None else (None, None)
         if inputs is None and loader is not None:  # as Paddle: the last column is the label
             specs = loader.specs()
             inputs, labels = (specs[:-1], specs[-1:]) if len(specs) > 1 else (specs, None)
         self._sizes = _num_workers(num_workers, (inputs or []) + (labels or []), loader)
+        if spare_ranks and _in_placement_group():
+            raise ValueError("spare_ranks inside a placement group (a Ray Tune trial, say): spares hold resources "
+                             "outside it; leave spare_ranks at 0 there")  # fmt: skip
         if self._sizes.elastic and _in_placement_group():
             raise ValueError(
                 "an elastic num_workers=(min, max) inside a placement group (a Ray Tune trial, say): the group's "
@@ -148,7 +164,7 @@ class DistModel:
         self._mode = "train" if (self._has_loss and self._has_optimizer) else ("eval" if self._has_loss else "predict")
         self._max_in_flight = max_in_flight
         self._steps_per_message = steps_per_message
-        self._compiled = dispatch == "compiled" or (dispatch == "auto" and use_gpu)
+        self._dispatch = "compiled" if dispatch == "auto" and use_gpu else dispatch
         self._config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, master_port,
                                    placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s,
                                    preload=("ray.data",) if loader is not None else ())  # fmt: skip
@@ -158,34 +174,41 @@ class DistModel:
         self._restored_live = False  # whether the last restart() went on from the survivors' state
         if loader is not None:
             loader.prepare()  # the first epoch's split starts while the ranks do
+        self._spares = SparePool(self._config, spare_ranks)
+        self._stop_spares = weakref.finalize(self, _on_a_thread(self._spares.shutdown))
         self._start(first_step=0)
         if loader is not None:
             loader.bind(self._client, self._data_meshes)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
+        self._spares.fill()  # after the first start, which they would slow
 
     def _start(self, first_step: int, size: int | None = None, freed: int = 0,
                placement_timeout_s: float | None = None) -> None:  # fmt: skip
         """A new group of ranks with the model built on it: of ``size`` ranks, or the largest
-        accepted size the cluster holds now (``freed``: ranks a group just let go of)."""
+        accepted size the cluster holds now (``freed``: ranks a group just let go of); spare
+        ranks first, if there are any."""
+        spares = self._spares.take(size or self._sizes.max)
         if size is None:
-            size = size_now(self._sizes, self._config.bundle(), freed)
+            size = size_now(self._sizes, self._config.bundle(), freed, held=len(spares))
+        spares, extra = spares[:size], spares[size:]
+        self._spares.give_back(extra)
         self._config = dataclasses.replace(self._config, num_workers=size)
         config = self._config
         if placement_timeout_s is not None:
             config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
-        group = RankGroup(config)
+        group = RankGroup(config, spares)
         group.on_death(_weakly(self._salvage))
         self._salvaged: tuple[dict, Any, int] | None = None  # what the survivors of a death held
         self._trained_here = 0  # train steps sent to this group
         # the latest of them: (index, step number, learning rate it ran with); the steps in
         # flight are among them
-        self._client = RankClient(group, max_in_flight=self._max_in_flight, compiled=self._compiled,
+        self._client = RankClient(group, max_in_flight=self._max_in_flight, dispatch=self._dispatch,
                                   step_timeout=self._config.step_timeout_s, first_step=first_step,
                                   steps_per_message=self._steps_per_message)  # fmt: skip
         most = self._client.window.most
         self._sent_train: collections.deque = collections.deque(maxlen=(self._max_in_flight + 1) * most + 2)
-        self._finalizer = weakref.finalize(self, self._client.close)
+        self._finalizer = weakref.finalize(self, _on_a_thread(self._client.close))
         try:
             report = self._client.call(RankActor.build, ray.put(self._payload))[0]
         except BaseException:
@@ -256,10 +279,11 @@ class DistModel:
         salvaged = self._salvaged
         first_step = self._client.window.submitted
         freed = self._client.group.live_bundles()
-        self._finalizer()
+        self._close()
         self._start(first_step, freed=freed)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
+        self._spares.fill()  # for the next restart
         self._restored_live = salvaged is not None
         if salvaged is not None:
             state, rate, trained = salvaged
@@ -329,6 +353,7 @@ class DistModel:
             self._start(first_step)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
+        self._spares.fill()
         self._put_back(state, rate)
 
     # -- modes -----------------------------------------------------------------
@@ -603,7 +628,16 @@ class DistModel:
     def shutdown(self) -> None:
         """Complete the steps in flight, then stop every rank and free their resources. Idempotent."""
         self._finalizer.detach()
-        self._client.close(drain=True)
+        try:
+            self._client.close(drain=True)
+        finally:
+            self._stop_spares.detach()
+            self._spares.shutdown()
+
+    def _close(self) -> None:
+        """Stop the ranks now, without completing the steps in flight."""
+        self._finalizer.detach()
+        self._client.close()
 
     def __enter__(self) -> "DistModel":
         return self
@@ -612,7 +646,9 @@ class DistModel:
         if exc_type is None:
             self.shutdown()  # raises a failure of the last steps
         else:
-            self._finalizer()  # the exception on its way out says what went wrong
+            self._close()  # the exception on its way out says what went wrong
+            self._stop_spares.detach()
+            self._spares.shutdown()
 
 
 def to_static(
@@ -698,6 +734,20 @@ def _weakly(method: Callable) -> Callable:
     return call
 
 
+def _on_a_thread(stop: Callable[[], None]) -> Callable[[], None]:
+    """``stop`` for a finalizer, run on a thread of its own: a model dropped without shutdown() is
+    finalized when the garbage collector runs, which can be inside one of Ray's own calls (seen:
+    while ``ray.get`` deserialized a result), and killing actors from there deadlocks in Ray."""
+
+    def start() -> None:
+        try:
+            threading.Thread(target=stop, name="raydist-stop", daemon=True).start()
+        except RuntimeError:  # the interpreter is exiting: no new threads, and no Ray call is under way
+            stop()
+
+    return start
+
+
 def _in_placement_group() -> bool:
     from ray.util.placement_group import get_current_placement_group
 
@@ -737,12 +787,25 @@ def _same(a: Specs | None, b: Specs | None) -> bool:
     return a is not None and b is not None and a[0] is b[0] and a[1] is b[1]
 
 
-def _combine(plan: ModePlan, mode: str, results: list) -> Any:
+def _value(layout: Layout, results: Any, i: int) -> Any:
+    """Value ``i`` of a step, whole, from the ranks' pieces (`raydist.driver.client.StepAnswers`, or a
+    list by rank). A data-parallel loss is reduced over the ranks once for all steps of a message,
+    so a step costs the driver the same whatever the number of ranks."""
+    op = layout.reduced_whole
+    if op is not None and hasattr(results, "reduced"):
+        value = results.reduced(i, layout.reader_tuple, op)
+        if value is not None:
+            return value
+    return layout.assemble({r: results[r][i] for r in layout.reader_tuple})
+
+
+def _combine(plan: ModePlan, mode: str, results: Any) -> Any:
     """A step's result from the ranks': the loss (with eval's metric values), or the outputs (predict)."""
-    values = [layout.assemble({r: results[r][i] for r in layout.readers()}) for i, layout in enumerate(plan.layouts)]
+    values = [_value(layout, results, i) for i, layout in enumerate(plan.layouts)]
     if mode == "predict":
         return values[0] if len(values) == 1 else values
-    loss = float(np.mean(values[0]))
+    loss = np.asarray(values[0])
+    loss = float(loss.reshape(-1)[0] if loss.size == 1 else loss.mean())
     if len(plan.groups) < 2:
         return loss
     groups, start = [], 1

@@ -7,7 +7,7 @@ import re
 
 import ray
 
-_RANK_NAME = re.compile(r"^(?P<group>.+)-rank-(?P<rank>\d+)$")
+_RANK_NAME = re.compile(r"^(?P<group>.+)-(rank|spare)-(?P<rank>\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ def status(timeout_s: float = 10.0) -> list[RankStatus]:
     # state, but it answers through the dashboard: measured here, it fails with
     # ServerUnavailable under ray.init(include_dashboard=False). The named-actor
     # list comes from the GCS, which every cluster has; ranks are named
-    # "<group>-rank-<i>" (raydist.driver.group).
+    # "<group>-rank-<i>" (raydist.driver.group), or "<pool>-spare-<j>" (raydist.driver.spares).
     actors = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         match = _RANK_NAME.match(entry["name"])
@@ -61,6 +61,8 @@ def status(timeout_s: float = 10.0) -> list[RankStatus]:
             report = ray.get(ref)
         except ray.exceptions.RayError:
             continue
-        out.append(RankStatus(group=group, **{f.name: report[f.name] for f in dataclasses.fields(RankStatus)
-                                               if f.name != "group"}))  # fmt: skip
+        if report["rank"] < 0:  # a spare no group has adopted yet
+            continue
+        out.append(RankStatus(group=report.get("group") or group,
+                              **{f.name: report[f.name] for f in dataclasses.fields(RankStatus) if f.name != "group"}))
     return sorted(out, key=lambda s: (s.group, s.rank))

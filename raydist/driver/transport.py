@@ -17,7 +17,13 @@ switch), so it is serialized once:
   of the graph runs on one thread of its own: callers wait for its results,
   and a wait can be interrupted and resumed.
 
-Both hand every failure to `RankGroup.gather`'s error path (`RankGroup.fail`):
+- `TreeTransport`: the driver sends a message to rank 0 only, and each rank
+  passes it on to a few others (`relay_tree`: from node to node, then within
+  a node), so the driver's cost per message does not grow with the ranks.
+  The results come back up the same tree, from the ranks the driver reads
+  only, as one answer. The default on CPUs from `TREE_FROM` ranks.
+
+All three hand every failure to `RankGroup.gather`'s error path (`RankGroup.fail`):
 the caller sees `RankError` naming the rank, and the group is torn down.
 """
 
@@ -31,16 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ..messages import Parcel
+from ..messages import INLINE_BYTES, Parcel
 
 if TYPE_CHECKING:
     from .group import RankGroup
 
 log = logging.getLogger("raydist")
 
-# Messages up to this size travel inside each step call instead of through the
-# object store: a put costs more than pickling a few KiB per rank.
-INLINE_BYTES = 64 * 1024
 
 
 class CallTransport:
@@ -131,6 +134,67 @@ class CompiledTransport:
             thread.shutdown(wait=False, cancel_futures=True)
 
 
+# Each rank passes a relayed message on to at most this many others on its node, and
+# (the first rank of a node) this many on other nodes.
+FANOUT = 4
+# dispatch="auto" on CPUs relays messages through the ranks from this many ranks on (bench dispatch).
+TREE_FROM = 8
+
+
+def relay_tree(nodes: list[str], fanout: int = FANOUT) -> dict[int, list[int]]:
+    """Who passes a message on to whom, from rank 0: {rank: its children}. ``nodes``: each
+    rank's node, ranks of a node together. The first rank of each node gets the message from
+    another node's first rank (a ``fanout``-ary tree over nodes), and passes it on within its node
+    (a ``fanout``-ary tree over the node's ranks), so a message crosses to each node once."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    children: dict[int, list[int]] = {rank: [] for rank in range(len(nodes))}
+
+    def heap(ranks: list[int]) -> None:
+        for i, rank in enumerate(ranks):
+            children[rank] += ranks[fanout * i + 1:fanout * i + 1 + fanout]
+
+    heap([ranks[0] for ranks in by_node.values()])
+    for ranks in by_node.values():
+        heap(ranks)
+    return children
+
+
+class TreeTransport:
+    """Messages relayed from rank to rank (`relay_tree`); a ticket is the root's ``collect`` ref."""
+
+    name = "tree"
+
+    def __init__(self, group: "RankGroup", timeout: float | None, fanout: int = FANOUT):
+        self.group = group
+        self.timeout = timeout
+        self.tree = tree = relay_tree(group.nodes, fanout)
+        actors = group.actors
+        group.gather([actors[r].set_children.remote([actors[c] for c in tree[r]]) for r in range(len(actors))],
+                     "relay setup")  # fmt: skip
+        self._root = actors[0]
+
+    def send(self, parcel: Parcel) -> ray.ObjectRef:
+        # whole, even when large: rank 0 puts it in the object store for the others, so that
+        # they borrow it from rank 0, not from the driver (whose work would grow with them)
+        self._root.relay.remote(parcel.first, parcel)
+        return self._root.collect.remote(parcel.first)
+
+    def receive(self, ref: ray.ObjectRef, steps: range) -> list:
+        timeout = _for(self.timeout, steps)
+        try:
+            answers = ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise self.group.timed_out(self.group.busy_ranks(), during(steps), timeout) from e
+        except Exception as e:
+            raise self.group.fail(e, during(steps), steps=steps) from e
+        return [answers.get(rank) for rank in range(len(self.group))]
+
+    def close(self) -> None:
+        pass
+
+
 def _for(timeout: float | None, steps: range) -> float | None:
     """A message's timeout: a step's, for each of its steps."""
     return None if timeout is None else timeout * len(steps)
@@ -141,12 +205,15 @@ def during(steps: range) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
-def open_transport(group: "RankGroup", max_in_flight: int, compiled: bool, timeout: float | None):
-    """The step transport for ``group``: compiled if asked and possible, else calls.
+def open_transport(group: "RankGroup", max_in_flight: int, dispatch: str, timeout: float | None):
+    """The step transport for ``group``: ``dispatch`` "tree", "calls", or "compiled" if it can
+    be compiled (else calls).
 
     ``timeout``: seconds a step may take before its ranks count as stuck.
     """
-    if compiled:
+    if dispatch == "tree":
+        return TreeTransport(group, timeout)
+    if dispatch == "compiled":
         try:
             return CompiledTransport(group, max_in_flight, timeout)
         except Exception as e:  # noqa: BLE001 - any failure to compile leaves the plain path
