@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import logging
+import time
 
 import numpy as np
 import ray
@@ -154,16 +155,24 @@ def live_state(actors: list, names: set[str]) -> tuple[int, dict[str, np.ndarray
     once, a survivor blocked in a collective that never returns gives nothing.
     """
     refs = call_on(actors, RankActor.live_state, LIVE_STATE_WAIT_S)
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=LIVE_STATE_WAIT_S + 2.0)
-    answers = {}
-    for rank, ref in enumerate(refs):
-        if ref in ready:
-            try:
-                answer = ray.get(ref)
-            except Exception:  # noqa: BLE001 - a dead rank: it holds nothing
-                continue
-            if answer is not None:
-                answers[rank] = answer
+    deadline = time.monotonic() + LIVE_STATE_WAIT_S + 2.0
+    answers, pending = {}, list(refs)
+    while pending:
+        # the first answers that hold all of it will do: a survivor blocked in a collective with
+        # a peer that broke off its step would keep the restart waiting for LIVE_STATE_WAIT_S
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        try:
+            answer = ray.get(ready[0])
+        except Exception:  # noqa: BLE001 - a dead rank: it holds nothing
+            continue
+        if answer is not None:
+            answers[refs.index(ready[0])] = answer
+            if _why_not(answers, names) is None:
+                found = assemble_live(answers, names)
+                if not isinstance(found, str):
+                    return found
     return assemble_live(answers, names)
 
 
@@ -173,6 +182,30 @@ def assemble_live(answers: dict[int, tuple[int, bool, dict]],
     broke off, {name: (local, layout)})}``; or why it cannot be had: no survivor, survivors
     at different steps, a step that may have been broken off halfway through its updates,
     a piece or a tensor no survivor holds, or replicas that differ."""
+    why = _why_not(answers, names)
+    if why is not None:
+        return why
+    steps = {rank: t for rank, (t, _, _) in answers.items()}
+    pieces = {rank: state for rank, (_, _, state) in answers.items()}
+    full = {}
+    for name in names:
+        array, layout = next(state[name] for state in pieces.values() if name in state)
+        if layout is None:
+            full[name] = array
+            continue
+        local = {}
+        for key, holders in layout.holders().items():
+            alive = [r for r in holders if r in pieces]
+            value = pieces[alive[0]][name][0]
+            if any(not np.array_equal(pieces[r][name][0], value) for r in alive[1:]):
+                return f"the surviving replicas of {name!r} differ"
+            local[alive[0]] = value
+        full[name] = layout.assemble(local)
+    return next(iter(steps.values())), full
+
+
+def _why_not(answers: dict[int, tuple[int, bool, dict]], names: set[str]) -> str | None:
+    """Why the surviving ranks' answers cannot give the full state (short of comparing replicas); None if they can."""
     if not answers:
         return "no surviving rank answered"
     steps = {rank: t for rank, (t, _, _) in answers.items()}
@@ -186,23 +219,12 @@ def assemble_live(answers: dict[int, tuple[int, bool, dict]],
     missing = sorted(names - {name for state in pieces.values() for name in state})
     if missing:
         return f"no surviving rank holds {missing}"
-    full = {}
     for name in names:
-        array, layout = next(state[name] for state in pieces.values() if name in state)
-        if layout is None:
-            full[name] = array
-            continue
-        local = {}
-        for key, holders in layout.holders().items():
-            alive = [r for r in holders if r in pieces]
-            if not alive:
+        _, layout = next(state[name] for state in pieces.values() if name in state)
+        for key, holders in (layout.holders().items() if layout is not None else ()):
+            if not any(r in pieces for r in holders):
                 return f"no surviving rank holds piece {key} of {name!r} (held by ranks {holders})"
-            value = pieces[alive[0]][name][0]
-            if any(not np.array_equal(pieces[r][name][0], value) for r in alive[1:]):
-                return f"the surviving replicas of {name!r} differ"
-            local[alive[0]] = value
-        full[name] = layout.assemble(local)
-    return next(iter(steps.values())), full
+    return None
 
 
 def _half_updated(state: dict) -> str | None:
