@@ -212,7 +212,7 @@ def test_messages_relayed_through_the_ranks_of_two_nodes_train_like_one_process_
         for name, value in ref.params().items():
             assert_close(params[name], value, what=name)
         dm.train()
-        cluster.remove_node(nodes[1])
+        cluster.remove_node(next(n for n in nodes if n.node_id == placed[2]))  # ranks 2, 3: below rank 0
         lost = time.monotonic()
         try:
             for x, y in data:

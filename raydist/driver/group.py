@@ -86,9 +86,43 @@ class GroupConfig:
 
 
 @functools.cache
-def actor_class_remote(actor_class: type[Member]):
+def _remote(actor_class: type[Member]):
     """``actor_class`` as a Ray actor class (with its concurrency groups)."""
     return ray.remote(concurrency_groups=actor_class.concurrency_groups)(actor_class)
+
+
+def start_actor(cfg: GroupConfig, name: str, rank: int, world_size: int, scheduling_strategy: Any = None):
+    """One actor of ``cfg.actor_class`` holding one rank's resources; CPU rank actors start
+    importing Paddle at once (GPU ones once their devices are known)."""
+    res = cfg.bundle()
+    actor = _remote(cfg.actor_class).options(
+        name=name,
+        num_cpus=res.get("CPU", 0),
+        num_gpus=res.get("GPU", 0),
+        resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
+        scheduling_strategy=scheduling_strategy,
+        runtime_env=cfg.runtime_env,
+    ).remote(rank, world_size)
+    if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:
+        actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)
+    return actor
+
+
+def ping_all(actors: Sequence, timeout: float) -> list:
+    """Each actor's `Member.ping` answer within ``timeout``: its value, the `RayActorError` of a
+    dead actor, or `NO_ANSWER`."""
+    pings = [a.ping.remote() for a in actors]
+    ready = set(ray.wait(pings, num_returns=len(pings), timeout=timeout)[0])
+    answers = []
+    for ref in pings:
+        try:
+            answers.append(ray.get(ref) if ref in ready else NO_ANSWER)
+        except ray.exceptions.RayActorError as e:
+            answers.append(e)
+    return answers
+
+
+NO_ANSWER = object()
 
 
 class RankGroup:
@@ -169,37 +203,29 @@ class RankGroup:
         first), then spares before bundles."""
         cfg = self.config
         self._alive = True
-        nodes = {}  # ("spare", index) or ("bundle", index) -> node
+        nodes, placed = {}, {}  # ("spare", index) or ("bundle", index) -> node, and -> (place, pid)
         if self._spares:
-            placed = self.gather([a.place.remote() for a in self._spares], "placement")
-            nodes.update({("spare", i): p.node_id for i, (p, _) in enumerate(placed)})
+            placed = dict(zip((("spare", i) for i in range(len(self._spares))),
+                              self.gather([a.place.remote() for a in self._spares], "placement")))  # fmt: skip
+            nodes.update({k: p.node_id for k, (p, _) in placed.items()})
         if self._bundles:
             bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
             nodes.update({("bundle", b): bundle_nodes[b] for b in self._bundles})
         here = ray.get_runtime_context().get_node_id()
         order = sorted(nodes, key=lambda k: (nodes[k] != here, nodes[k], k))
         self.nodes = [nodes[k] for k in order]
-        self.prefix = prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
-        res = cfg.bundle()
+        self.prefix = cfg.name or f"raydist-{uuid.uuid4().hex[:6]}"
         spares, self.actors = self.actors, []
         for rank, (kind, i) in enumerate(order):
-            if kind == "spare":
-                self.actors.append(spares[i])
-                continue
-            self.actors.append(actor_class_remote(cfg.actor_class).options(
-                name=f"{prefix}-rank-{rank}",
-                num_cpus=res.get("CPU", 0),
-                num_gpus=res.get("GPU", 0),
-                resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-                runtime_env=cfg.runtime_env,
-            ).remote(rank, cfg.num_workers))
-            if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:  # GPU ranks: once their devices are known
-                self.actors[-1].warm_up.remote(not cfg.paddle_logs, cfg.preload)
+            self.actors.append(spares[i] if kind == "spare" else start_actor(
+                cfg, f"{self.prefix}-rank-{rank}", rank, cfg.num_workers,
+                PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)))  # fmt: skip
         self.adopted = [rank for rank, (kind, _) in enumerate(order) if kind == "spare"]
-        placed = self.gather([a.place.remote() for a in self.actors], "placement")
-        self.places = [p for p, _ in placed]
-        self.pids = [pid for _, pid in placed]
+        new = [(rank, k) for rank, k in enumerate(order) if k not in placed]
+        placed.update(zip((k for _, k in new), self.gather([self.actors[r].place.remote() for r, _ in new],
+                                                           "placement", [r for r, _ in new])))  # fmt: skip
+        self.places = [placed[k][0] for k in order]
+        self.pids = [placed[k][1] for k in order]
 
     def _rendezvous(self, port: int | None) -> None:
         rank0 = self.actors[0]
@@ -318,31 +344,14 @@ class RankGroup:
 
     def _dead_rank(self, timeout: float = DEATH_GRACE_S) -> tuple[int, Exception, list[int]] | None:
         """A dead rank, its death, and the numbers of the steps the live ranks run; None if none died."""
-        pings = [a.ping.remote() for a in self.actors]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
-        dead, running = None, []
-        for ref in ready:
-            try:
-                answer = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                dead = dead or (pings.index(ref), e)
-                continue
-            if answer is not None:
-                running.append(answer)
+        answers = ping_all(self.actors, timeout)
+        dead = next(((r, a) for r, a in enumerate(answers) if isinstance(a, ray.exceptions.RayActorError)), None)
+        running = [a for a in answers if isinstance(a, int)]
         return None if dead is None else (*dead, running)
 
     def busy_ranks(self, timeout: float = DEATH_GRACE_S) -> list[int]:
         """The ranks in a step now, or not answering."""
-        pings = [a.ping.remote() for a in self.actors]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
-        idle = set()
-        for ref in ready:
-            try:
-                if ray.get(ref) is None:
-                    idle.add(pings.index(ref))
-            except ray.exceptions.RayActorError:
-                pass
-        return [rank for rank in range(len(self.actors)) if rank not in idle]
+        return [rank for rank, answer in enumerate(ping_all(self.actors, timeout)) if answer is not None]
 
     def rank_of(self, e: BaseException) -> int:
         """Which rank a failure came from: `RankFailed` says; a death names its actor."""

@@ -20,8 +20,7 @@ import uuid
 
 import ray
 
-from ..protocol import RankActor
-from .group import GroupConfig, actor_class_remote
+from .group import NO_ANSWER, GroupConfig, ping_all, start_actor
 
 log = logging.getLogger("raydist")
 
@@ -44,38 +43,21 @@ class SparePool:
 
     def fill(self) -> None:
         """Start spares up to ``count`` (without waiting for them)."""
-        cfg = self.config
-        res = cfg.bundle()
         while len(self._actors) < self.count:
-            actor = actor_class_remote(RankActor).options(
-                name=f"{self._prefix}-spare-{self._made}",
-                num_cpus=res.get("CPU", 0),
-                num_gpus=res.get("GPU", 0),
-                resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
-                runtime_env=cfg.runtime_env,
-            ).remote(-1, 0)
+            self._actors.append(start_actor(self.config, f"{self._prefix}-spare-{self._made}", -1, 0))
             self._made += 1
-            if not cfg.use_gpu:  # GPU ranks import Paddle once their devices are known
-                actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)
-            self._actors.append(actor)
 
     def take(self, most: int) -> list:
         """Up to ``most`` live spares, out of the pool (lost ones are dropped)."""
         if not self._actors or most <= 0:
             return []
-        pings = [a.ping.remote() for a in self._actors]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=ALIVE_S)
         live = []
-        for actor, ping in zip(self._actors, pings):
-            try:
-                if ping in ready:
-                    ray.get(ping)
-                    live.append(actor)
-                    continue
-            except ray.exceptions.RayActorError:
-                pass
-            log.warning("raydist: a spare rank did not answer; dropping it")
-            _kill(actor)
+        for actor, answer in zip(self._actors, ping_all(self._actors, ALIVE_S)):
+            if answer is NO_ANSWER or isinstance(answer, ray.exceptions.RayActorError):
+                log.warning("raydist: a spare rank did not answer; dropping it")
+                _kill(actor)
+            else:
+                live.append(actor)
         taken, self._actors = live[:most], live[most:]
         return taken
 
