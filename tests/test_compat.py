@@ -384,3 +384,40 @@ def test_collectives_defect_gloo_has_no_reduce_scatter():
         with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sharded, num_workers=2,
                                runtime_env=env) as dm:  # fmt: skip
             dm(np.ones([8, 12], "float32"), np.ones([8, 6], "float32"))
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_store_defect_a_client_before_the_master_waits_3_s_and_raydist_waits_20_ms(wait):
+    """Behind raydist.compat.store: Paddle's TCP store client, refused, tries again only
+    3 s later; raydist's wait for the port lets its first try connect. Measured as the
+    time the master's store (up 0.5 s after the client's first try) waits for it: 2.5 s, or
+    the probe's 20 ms."""
+    out = run_plain_paddle(
+        f"""
+        import socket, subprocess, sys, time
+        from paddle.base import core
+        from raydist.compat.store import wait_for_master
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        master = subprocess.Popen([sys.executable, "-c", f'''if True:
+            import sys, time
+            from paddle.base import core
+            print("imported", flush=True)
+            sys.stdin.readline()  # the client is about to try
+            time.sleep(0.5)
+            start = time.monotonic()
+            store = core.TCPStore("127.0.0.1", {{port}}, True, 2, 30)
+            print("master waited", time.monotonic() - start)'''],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        master.stdout.readline()
+        master.stdin.write("go\\n")
+        master.stdin.flush()
+        if {wait}:
+            wait_for_master(f"127.0.0.1:{{port}}")
+        client = core.TCPStore("127.0.0.1", port, False, 2, 30)
+        print(master.communicate(timeout=60)[0])
+        """
+    )
+    waited = float(out.split("master waited")[1])
+    assert (waited < 0.5) if wait else (waited > 2.0), out

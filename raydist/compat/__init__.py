@@ -10,6 +10,8 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 - `collectives`: collectives that pick their gloo ring by id (CPU builds only).
 - `stages`: parameters of other pipeline stages at initialisation (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
+- `store`: the TCP store client's 3-second connect retry (all devices; before
+  ``init_parallel_env``, not a patch: see `wait_for_master`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def expect_source(obj, *markers: str, fix: str) -> None:
         )
 
 
+def disabled_fixes() -> set[str]:
+    """The fixes ``RAYDIST_COMPAT_DISABLE`` leaves out."""
+    return {s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()}
+
+
 def apply(use_gpu: bool) -> list[str]:
     """Apply the fixes this process needs; returns their names. Idempotent."""
     import paddle
@@ -54,7 +61,7 @@ def apply(use_gpu: bool) -> list[str]:
             f"raydist's Paddle fixes were written for Paddle {PADDLE_VERSION}, this is {paddle.__version__}",
             stacklevel=2,
         )
-    disabled = {s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()}
+    disabled = disabled_fixes()
     from . import collectives, engine, rings, stages
 
     fixes = [("engine", engine.apply)]

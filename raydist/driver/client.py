@@ -14,6 +14,7 @@ Everything the driver asks of the ranks goes through a `RankClient`:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -29,6 +30,8 @@ from .transport import TREE_FROM, open_transport
 # A step's ranks get this much longer than step_timeout_s at the driver, so a rank's
 # own timeout (waiting step_timeout_s for its loader batch) is what gets reported.
 REPORT_GRACE_S = 5.0
+
+log = logging.getLogger("raydist")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -52,6 +55,12 @@ class RankClient:
         self._timeout = None if step_timeout is None else step_timeout + REPORT_GRACE_S
         self._transport = None
         self._opening = threading.Lock()
+        self._after_first: list[Callable[[], Any]] = []
+
+    def after_first_step(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback`` once the first message of steps is done (for work that would
+        slow the group's first steps, such as starting spare ranks)."""
+        self._after_first.append(callback)
 
     @property
     def size(self) -> int:
@@ -105,6 +114,12 @@ class RankClient:
         """Each step's results from the ranks (a rank whose results are not read answers None)."""
         transport, sent = ticket
         answers = MessageAnswers(transport.receive(sent, steps))
+        callbacks, self._after_first = self._after_first, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # e.g. no room for spares: the steps go on without them
+                log.warning("raydist: %s failed after the first step", callback, exc_info=True)
         return [StepAnswers(answers, i) for i in range(len(steps))]
 
     def drain(self) -> None:

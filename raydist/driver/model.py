@@ -181,7 +181,7 @@ class DistModel:
             loader.bind(self._client, self._data_meshes)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
-        self._spares.fill()  # after the first start, which they would slow
+        self._client.after_first_step(self._spares.fill)  # spares' Paddle import would slow the start
 
     def _start(self, first_step: int, size: int | None = None, freed: int = 0,
                placement_timeout_s: float | None = None) -> None:  # fmt: skip
@@ -283,7 +283,7 @@ class DistModel:
         self._start(first_step, freed=freed)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
-        self._spares.fill()  # for the next restart
+        self._client.after_first_step(self._spares.fill)  # for the next restart
         self._restored_live = salvaged is not None
         if salvaged is not None:
             state, rate, trained = salvaged
@@ -353,7 +353,7 @@ class DistModel:
             self._start(first_step)
         if self._specs.known(self._mode):
             self._enter(self._mode, self._specs.current())
-        self._spares.fill()
+        self._client.after_first_step(self._spares.fill)
         self._put_back(state, rate)
 
     # -- modes -----------------------------------------------------------------

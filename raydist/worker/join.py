@@ -71,6 +71,13 @@ def join(env: dict[str, str], use_gpu: bool) -> tuple[list[str], str]:
 
     device = f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu"
     paddle.set_device(device)
+    from .. import compat
+    from ..compat import store
+
+    if "store" not in compat.disabled_fixes():
+        fixes = [*fixes, "store"]
+        if env["PADDLE_TRAINER_ID"] != "0":
+            store.wait_for_master(env["PADDLE_MASTER"])
     with _stderr_to_nowhere() if quiet else contextlib.nullcontext():
         dist.init_parallel_env()
     # Paddle's handler prints a C++ "FatalError" dump when a rank is killed on
