@@ -13,6 +13,8 @@ For each model, the same model, data and ranks under these runners, round-robin:
   Paddle's own DistModel over Paddle's own shard_dataloader;
 - *raydist, loader*: raydist.to_static fed by raydist.shard_dataloader over a
   Ray Dataset (ranks read their own rows);
+- *raydist, loader over a paddle.io.Dataset* (``loader-paddle``, not run by default):
+  the same rows, read with Paddle's sampler instead of Ray Data;
 - *raydist, driver batches*: numpy batches passed to ``dm(x, y)``;
 - *raydist, driver batches, compiled graph* (``compiled``, not run by default):
   the same with ``dispatch="compiled"``, whose channels busy-wait.
@@ -116,19 +118,20 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
         if i == warmup:
             dm.wait()
             before = take_stats()
-            timed = time.perf_counter()
+            timed, cpu = time.perf_counter(), time.process_time()
         losses.append(call(dm, batch))
         if first is None:
             float(losses[0])
             first = time.time() - start
     dm.wait()
     wall = time.perf_counter() - timed
+    driver_cpu = (time.process_time() - cpu) / (len(losses) - warmup)
     stats = take_stats()
     times = list(np.diff(stats[0]["starts"]))
     times.append(wall - sum(times))  # the last step: to the end of the run
     peak = max(s["peak_rss_mib"] for s in ray.get([a.status.remote() for a in dm._client.group.actors]))
     return {"times": times, "first_step_s": first, "losses": [float(x) for x in losses], "peak_mib": peak,
-            "wait_share": max(s["wait"] for s in stats) / wall,
+            "driver_cpu_s": driver_cpu, "wait_share": max(s["wait"] for s in stats) / wall,
             "stage_wait_share": [(s["stage_wait"] - b["stage_wait"]) / wall
                                  for s, b in zip(stats, before)]}  # fmt: skip
 
@@ -164,6 +167,20 @@ def run_raydist_loader(name: str, warmup: int, steps: int) -> dict:
         return _timed_steps(dm, loader(), warmup, start, lambda dm, b: dm(b["x"], b["y"]))
 
 
+def run_raydist_loader_paddle(name: str, warmup: int, steps: int) -> dict:
+    """The loader over a ``paddle.io.Dataset`` (no Ray Data): what Ray Data's reading costs."""
+    import raydist
+    from bench.models import MODELS, batch_size, mesh
+    from bench.rows import Rows
+
+    dataset = Rows(MODELS[name][0], (warmup + steps) * batch_size(name))
+    start = time.time()
+    loader = raydist.shard_dataloader(dataset, mesh(name), input_keys=["x", "y"], shard_dims="dp",
+                                      batch_size=batch_size(name))  # fmt: skip
+    with _raydist(name, loader) as dm:
+        return _timed_steps(dm, loader(), warmup, start, lambda dm, b: dm(b["x"], b["y"]))
+
+
 def _free_port() -> int:
     import socket
 
@@ -188,6 +205,7 @@ def machine() -> str:
 RUNNERS = {  # name: (what the table calls it, runner)
     "native": ("native", run_native),
     "loader": ("raydist, loader", run_raydist_loader),
+    "loader-paddle": ("raydist, loader over a paddle.io.Dataset", run_raydist_loader_paddle),
     "batches": ("raydist, driver batches", run_raydist_batches),
     # the compiled graph's channels busy-wait: on CPU ranks that need every core it costs steps
     "compiled": ("raydist, driver batches, compiled graph",
@@ -215,18 +233,21 @@ def models_table(args) -> str:
             med = statistics.median(statistics.fmean(r["times"]) for r in runs[runner])
             base = base or med
             # the loader's split orders rows its own way: its losses are not step-by-step comparable
-            same = "n/a" if runner == "loader" else (
+            same = "n/a" if runner.startswith("loader") else (
                 "yes" if np.allclose(first["losses"], reference, rtol=1e-4) else "NO")
             wait = f"{100 * max(r['wait_share'] for r in runs[runner]):.1f}" if "wait_share" in first else "-"
             first_step = statistics.median(r["first_step_s"] for r in runs[runner])
             peak = max(r["peak_mib"] for r in runs[runner])
+            cpu = (f"{1e6 * statistics.median(r['driver_cpu_s'] for r in runs[runner]):.0f}"
+                   if "driver_cpu_s" in first else "-")  # fmt: skip
             dp = len(MODELS[name][1])
             rows.append(f"| {name} | {label} | {med * 1e3:.2f} | {1 / med:.1f} | {med / base:.3f} | {first_step:.1f} "
-                        f"| {peak:.0f} | {wait} | {batch_size(name) / dp / med:.0f} | {same} |")  # fmt: skip
+                        f"| {peak:.0f} | {wait} | {cpu} | {batch_size(name) / dp / med:.0f} | {same} |")  # fmt: skip
             print(rows[-1], flush=True)
     header = ("| model | runner | step (ms, mean of a run) | steps/s | x native | time to first step (s) "
-              "| peak memory per rank (MiB) | data wait (% of time) | rows/s per rank | same losses |")  # fmt: skip
-    return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
+              "| peak memory per rank (MiB) | data wait (% of time) | driver CPU per step (µs) | rows/s per rank "
+              "| same losses |")  # fmt: skip
+    return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
 
 
 def main(argv=None) -> None:
