@@ -77,7 +77,10 @@ class RaySplit:
 
     def chunks(self, batch_size: int, drop_last: bool, keys: list, chunk: int) -> Iterator[list[dict]]:
         """Lists of up to ``chunk`` local batches, in order: one Ray Data batch per chunk."""
-        for block in self.iterator.iter_batches(batch_size=batch_size * chunk, batch_format="numpy", drop_last=False):
+        # prefetch_batches=0: this runs in the reader's thread, which reads ahead of the steps
+        # itself; Ray Data's prefetch threads would only add threads contending for the GIL
+        for block in self.iterator.iter_batches(batch_size=batch_size * chunk, batch_format="numpy", drop_last=False,
+                                                prefetch_batches=0):  # fmt: skip
             n = len(block[keys[0]])
             starts = list(range(0, n - n % batch_size, batch_size))
             group = [{k: np.ascontiguousarray(block[k][a : a + batch_size]) for k in keys} for a in starts]
