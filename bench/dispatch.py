@@ -6,7 +6,10 @@ against stand-in ranks that do no Paddle work (`NullRank`), so 8 and 16
 ranks fit on 2 cores; and, in the same rounds, Ray alone (`BareRank`: the
 same message to every actor, two steps in flight, no raydist), by actor
 calls and by a compiled graph. Reports the driver's CPU time per step (the
-controller's own cost) and the wall time per step (bounded here by the
+controller's own cost), the same less what the driver process spends idle
+over the step's wall time (Ray's own threads: measured with the group up and
+no step running; it grows per step as the steps slow down, which here is when
+many stand-ins share 2 cores), and the wall time per step (bounded here by the
 ranks' and Ray's per-call work on 2 shared cores).
 """
 
@@ -67,6 +70,7 @@ def per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64
             for _ in range(warmup):
                 dm(x, y)
             dm.wait()
+            idle = idle_cpu_per_s()
             cpu, wall = time.process_time(), time.perf_counter()
             for _ in range(steps):
                 dm(x, y)
@@ -75,7 +79,15 @@ def per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     finally:
         driver_model.GroupConfig = GroupConfig
-    return {"cpu_us": 1e6 * cpu / steps, "dispatch_cpu_us": 1e6 * dispatched / steps, "wall_us": 1e6 * wall / steps}
+    return {"cpu_us": 1e6 * cpu / steps, "dispatch_cpu_us": 1e6 * dispatched / steps, "wall_us": 1e6 * wall / steps,
+            "idle_us": 1e6 * idle * wall / steps}
+
+
+def idle_cpu_per_s(seconds: float = 1.0) -> float:
+    """The driver process's CPU seconds per second while it waits for nothing (Ray's threads)."""
+    cpu = time.process_time()
+    time.sleep(seconds)
+    return (time.process_time() - cpu) / seconds
 
 
 @ray.remote
@@ -116,6 +128,7 @@ def bare_per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int
 
     try:
         run(warmup)
+        idle = idle_cpu_per_s()
         cpu, wall = time.process_time(), time.perf_counter()
         run(steps)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -124,7 +137,7 @@ def bare_per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int
             graph.teardown()
         for a in actors:
             ray.kill(a)
-    return {"cpu_us": 1e6 * cpu / steps, "wall_us": 1e6 * wall / steps}
+    return {"cpu_us": 1e6 * cpu / steps, "wall_us": 1e6 * wall / steps, "idle_us": 1e6 * idle * wall / steps}
 
 
 PATHS = {  # --paths key: name in the table, per-step function, dispatch
@@ -148,8 +161,9 @@ def dispatch_table(sizes: list[int], steps: int, warmup: int, repeat: int = 3, p
         for path in paths:
             cpu = statistics.median(r["cpu_us"] for r in runs[path])
             wall = statistics.median(r["wall_us"] for r in runs[path])
-            rows.append(f"| {PATHS[path][0]} | {n} | {cpu:.0f} | {cpu / n:.0f} | {wall:.0f} |")
+            net = statistics.median(r["cpu_us"] - r["idle_us"] for r in runs[path])
+            rows.append(f"| {PATHS[path][0]} | {n} | {cpu:.0f} | {net:.0f} | {cpu / n:.0f} | {wall:.0f} |")
             print(rows[-1], flush=True)
-    header = ("| path | ranks (stand-ins, no Paddle) | driver CPU per step (µs) | per rank (µs) "
+    header = ("| path | ranks (stand-ins, no Paddle) | driver CPU per step (µs) | less idle (µs) | per rank (µs) "
               "| wall per step (µs) |")  # fmt: skip
-    return "\n".join([header, "|---|---:|---:|---:|---:|", *rows])
+    return "\n".join([header, "|---|---:|---:|---:|---:|---:|", *rows])
