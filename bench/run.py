@@ -6,7 +6,7 @@
     python -m bench restart [--models mlp-dp2xmp2] [--repeat 3]
     python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
     python -m bench pipeline [--steps 40] [--repeat 3]
-    python -m bench startup [--repeat 2]
+    python -m bench startup [--repeat 2] [--models mlp-mp2]
 
 For each model, the same model, data and ranks under these runners, round-robin:
 - *native*: N plain processes with paddle.distributed.launch's environment,
@@ -296,7 +296,8 @@ def main(argv=None) -> None:
         elif args.what == "startup":
             from bench.startup import startup_table
 
-            table = startup_table(args.repeat if "--repeat" in argv else 2)
+            name = args.models if "--models" in " ".join(argv) else "mlp-mp2"
+            table = "\n\n".join(startup_table(args.repeat if "--repeat" in argv else 2, n) for n in name.split(","))
         elif args.what == "pipeline":
             from bench.pipeline import pipeline_table
 

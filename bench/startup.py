@@ -1,6 +1,7 @@
-"""Where a model's start goes: the quickstart MLP (mp2) fed by a loader, phase by phase.
+"""Where a model's start goes: a model (the quickstart MLP on mp2 unless ``--models``) fed by a
+loader, phase by phase.
 
-    python -m bench startup [--repeat 2]
+    python -m bench startup [--repeat 2] [--models gpt-mp2]
 
 Times, from the loader's creation: the ranks' placement and start (``spawn``), the
 rendezvous and Paddle's import and join (``join``), the layer and first program's
@@ -16,7 +17,7 @@ import time
 from raydist.driver import group as group_module
 
 
-def startup_table(repeat: int) -> str:
+def startup_table(repeat: int, name: str = "mlp-mp2") -> str:
     import paddle
     import ray
 
@@ -24,10 +25,10 @@ def startup_table(repeat: int) -> str:
     from bench import models
     from bench.run import RANK_ENV
 
-    name, rows = "mlp-mp2", []
+    rows, kind, size = [], models.MODELS[name][0], models.batch_size(name)
     for run in range(repeat):
-        ds = ray.data.range(70 * 32).map_batches(lambda b: models.rows("mlp", b["id"]),
-                                                 runtime_env=RANK_ENV).materialize()  # fmt: skip
+        ds = ray.data.range(70 * size).map_batches(lambda b: models.rows(kind, b["id"]),
+                                                   runtime_env=RANK_ENV).materialize()  # fmt: skip
         marks = {}
         rendezvous = group_module.RankGroup._rendezvous
 
@@ -38,11 +39,12 @@ def startup_table(repeat: int) -> str:
 
         start = time.time()
         loader = raydist.shard_dataloader(ds, models.mesh(name), input_keys=["x", "y"], shard_dims="dp",
-                                          batch_size=32)  # fmt: skip
+                                          batch_size=size)  # fmt: skip
         group_module.RankGroup._rendezvous = timed_rendezvous
         try:
             dm = raydist.to_static(lambda: models.build_layer(name), loader, models.loss(name),
-                                   lambda p: paddle.optimizer.AdamW(1e-3, parameters=p), num_workers=2,
+                                   lambda p: paddle.optimizer.AdamW(1e-3, parameters=p),
+                                   num_workers=models.world_size(name), strategy=models.strategy(name),
                                    runtime_env=RANK_ENV)  # fmt: skip
         finally:
             group_module.RankGroup._rendezvous = rendezvous
@@ -54,5 +56,5 @@ def startup_table(repeat: int) -> str:
         rows.append(f"| {run + 1} | {marks['spawned'] - start:.2f} | {marks['joined'] - marks['spawned']:.2f} "
                     f"| {built - marks['joined']:.2f} | {first - built:.2f} | {first - start:.2f} |")  # fmt: skip
         print(rows[-1], flush=True)
-    header = "| model of the run | spawn (s) | join (s) | build (s) | first step (s) | to first step (s) |"
+    header = f"| {name}: model of the run | spawn (s) | join (s) | build (s) | first step (s) | to first step (s) |"
     return "\n".join([header, "|---:|---:|---:|---:|---:|---:|", *rows])
