@@ -153,27 +153,28 @@ def run_raydist_batches(name: str, warmup: int, steps: int, dispatch: str | None
 def run_raydist_loader(name: str, warmup: int, steps: int) -> dict:
     import ray
 
-    import raydist
-    from bench.models import MODELS, batch_size, mesh, rows
+    from bench.models import MODELS, batch_size, rows
 
     # made in memory, as native's paddle.io.TensorDataset is: the runners compare feeding, not making, data
     ds = ray.data.range((warmup + steps) * batch_size(name)).map_batches(
         lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
     ).materialize()
-    start = time.time()
-    loader = raydist.shard_dataloader(ds, mesh(name), input_keys=["x", "y"], shard_dims="dp",
-                                      batch_size=batch_size(name))  # fmt: skip
-    with _raydist(name, loader) as dm:
-        return _timed_steps(dm, loader(), warmup, start, lambda dm, b: dm(b["x"], b["y"]))
+    return _through_loader(name, ds, warmup)
 
 
 def run_raydist_loader_paddle(name: str, warmup: int, steps: int) -> dict:
     """The loader over a ``paddle.io.Dataset`` (no Ray Data): what Ray Data's reading costs."""
-    import raydist
-    from bench.models import MODELS, batch_size, mesh
+    from bench.models import MODELS, batch_size
     from bench.rows import Rows
 
-    dataset = Rows(MODELS[name][0], (warmup + steps) * batch_size(name))
+    return _through_loader(name, Rows(MODELS[name][0], (warmup + steps) * batch_size(name)), warmup)
+
+
+def _through_loader(name: str, dataset, warmup: int) -> dict:
+    """Timed steps fed by `raydist.shard_dataloader` over ``dataset`` (timed from the loader's creation)."""
+    import raydist
+    from bench.models import batch_size, mesh
+
     start = time.time()
     loader = raydist.shard_dataloader(dataset, mesh(name), input_keys=["x", "y"], shard_dims="dp",
                                       batch_size=batch_size(name))  # fmt: skip

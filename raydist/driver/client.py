@@ -114,13 +114,17 @@ class RankClient:
         """Each step's results from the ranks (a rank whose results are not read answers None)."""
         transport, sent = ticket
         answers = MessageAnswers(transport.receive(sent, steps))
+        if self._after_first:  # once per group: the per-message path stays as it was
+            self._run_after_first()
+        return [StepAnswers(answers, i) for i in range(len(steps))]
+
+    def _run_after_first(self) -> None:
         callbacks, self._after_first = self._after_first, []
         for callback in callbacks:
             try:
                 callback()
             except Exception:  # e.g. no room for spares: the steps go on without them
                 log.warning("raydist: %s failed after the first step", callback, exc_info=True)
-        return [StepAnswers(answers, i) for i in range(len(steps))]
 
     def drain(self) -> None:
         """Complete every step in flight; raises the first failure."""
