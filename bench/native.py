@@ -4,7 +4,7 @@ Started by bench/run.py once per rank with launch's environment. Builds Paddle's
 own DistModel over Paddle's own ``shard_dataloader`` (a ``paddle.io.DataLoader``
 of the benchmark rows), with raydist.compat applied since plain Paddle cannot
 run on CPU: the comparison measures what the orchestration costs. Prints the
-rank's step times, data waits, losses, first-step time and peak memory as JSON.
+rank's step times, data waits, CPU time of the timed steps, losses, first-step time and peak memory as JSON.
 """
 
 import json
@@ -33,6 +33,7 @@ def main(name: str, warmup: int, steps: int) -> None:
     dm.train()
     times, waits, losses, first = [], [], [], None
     it = iter(loader())
+    cpu = time.process_time()
     for i in range(warmup + steps):
         t = time.perf_counter()
         x, y = next(it)
@@ -40,11 +41,14 @@ def main(name: str, warmup: int, steps: int) -> None:
         losses.append(float(dm(x, y)))
         done = time.perf_counter()
         first = first or time.time()  # wall clock: the launcher subtracts its start time
+        if i == warmup - 1:
+            cpu = time.process_time()
         if i >= warmup:
             times.append(done - t)
             waits.append(got - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result = {"times": times, "waits": waits, "first_step_at": first, "losses": losses, "peak_mib": peak}
+    result = {"times": times, "waits": waits, "first_step_at": first, "losses": losses, "peak_mib": peak,
+              "cpu_s": time.process_time() - cpu}
     print("RESULT " + json.dumps(result), flush=True)
 
 

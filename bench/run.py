@@ -18,8 +18,9 @@ For each model, the same model, data and ranks under these runners, round-robin:
 - *raydist, driver batches*: numpy batches passed to ``dm(x, y)``;
 - *raydist, driver batches, compiled graph* (``compiled``, not run by default):
   the same with ``dispatch="compiled"``, whose channels busy-wait.
-Reports the mean step time (median of the runs), steps/s, the ratio to native, time to first
-step, peak memory per rank, the share of time ranks wait for data, and
+Reports the mean step time (median of the runs; each run's over that median), steps/s, the ratio
+to native, the CPU a rank's process spends per step (all its threads) and its share of the step,
+time to first step, peak memory per rank, the share of time ranks wait for data, and
 whether native and raydist's driver batches computed the losses of the same
 model trained in ONE plain process (bench/reference.py). ``dispatch`` measures the
 driver's own cost per step as the group grows (bench/dispatch.py); ``elastic``, what a
@@ -75,7 +76,8 @@ def run_native(name: str, warmup: int, steps: int) -> dict:
     leaders = [row[0] for row in MODELS[name][1]]
     losses = np.mean([results[r]["losses"] for r in leaders], axis=0).tolist()
     return {"times": r0["times"], "wait_share": sum(r0["waits"]) / sum(r0["times"]), "losses": losses,
-            "first_step_s": r0["first_step_at"] - start, "peak_mib": max(r["peak_mib"] for r in results)}  # fmt: skip
+            "first_step_s": r0["first_step_at"] - start, "peak_mib": max(r["peak_mib"] for r in results),
+            "rank_cpu_s": statistics.fmean(r["cpu_s"] for r in results) / steps}  # fmt: skip
 
 
 def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | None = None, **kwargs):
@@ -132,6 +134,8 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     peak = max(s["peak_rss_mib"] for s in ray.get([a.status.remote() for a in dm._client.group.actors]))
     return {"times": times, "first_step_s": first, "losses": [float(x) for x in losses], "peak_mib": peak,
             "driver_cpu_s": driver_cpu, "wait_share": max(s["wait"] for s in stats) / wall,
+            # every thread of a rank's process: its steps, its reader, Ray's own
+            "rank_cpu_s": statistics.fmean(s["cpu"] - b["cpu"] for s, b in zip(stats, before)) / len(times),
             "stage_wait_share": [(s["stage_wait"] - b["stage_wait"]) / wall
                                  for s, b in zip(stats, before)]}  # fmt: skip
 
@@ -241,14 +245,19 @@ def models_table(args) -> str:
             peak = max(r["peak_mib"] for r in runs[runner])
             cpu = (f"{1e6 * statistics.median(r['driver_cpu_s'] for r in runs[runner]):.0f}"
                    if "driver_cpu_s" in first else "-")  # fmt: skip
+            rank_cpu = statistics.median(r["rank_cpu_s"] for r in runs[runner])
+            spread = sorted(statistics.fmean(r["times"]) / med for r in runs[runner])
             dp = len(MODELS[name][1])
-            rows.append(f"| {name} | {label} | {med * 1e3:.2f} | {1 / med:.1f} | {med / base:.3f} | {first_step:.1f} "
-                        f"| {peak:.0f} | {wait} | {cpu} | {batch_size(name) / dp / med:.0f} | {same} |")  # fmt: skip
+            rows.append(f"| {name} | {label} | {med * 1e3:.2f} | {1 / med:.1f} | {med / base:.3f} "
+                        f"| {spread[0]:.2f}-{spread[-1]:.2f} | {1e3 * rank_cpu:.1f} | {100 * rank_cpu / med:.0f} "
+                        f"| {first_step:.1f} | {peak:.0f} | {wait} | {cpu} | {batch_size(name) / dp / med:.0f} "
+                        f"| {same} |")  # fmt: skip
             print(rows[-1], flush=True)
-    header = ("| model | runner | step (ms, mean of a run) | steps/s | x native | time to first step (s) "
+    header = ("| model | runner | step (ms, mean of a run) | steps/s | x native | runs / median "
+              "| rank CPU per step (ms) | rank busy (%) | time to first step (s) "
               "| peak memory per rank (MiB) | data wait (% of time) | driver CPU per step (µs) | rows/s per rank "
               "| same losses |")  # fmt: skip
-    return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
+    return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
 
 
 def main(argv=None) -> None:

@@ -14,6 +14,7 @@ import os
 import resource
 import socket
 import threading
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -294,10 +295,11 @@ class RankActor(Member):
     @ray.method(concurrency_group=ASIDE)
     def take_stats(self) -> dict[str, Any]:
         """When this rank's steps started and how long they waited for data since the last call, and for
-        pipeline neighbours in all (for bench/)."""
+        pipeline neighbours in all; the process's CPU seconds so far (for bench/)."""
         from .compat.collectives import p2p_waited_s
 
-        return {"starts": self.model.take_starts(), "wait": self.data.take_wait(), "stage_wait": p2p_waited_s()}
+        return {"starts": self.model.take_starts(), "wait": self.data.take_wait(), "stage_wait": p2p_waited_s(),
+                "cpu": time.process_time()}
 
 
 class _Relayed:
