@@ -6,6 +6,7 @@ Both sides import this module; it holds data only (numpy, no Paddle).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Union
 
 import numpy as np
@@ -102,6 +103,51 @@ class StepResults:
 
     def __getitem__(self, i: int) -> list:
         return [None if c is None else c[i] for c in self.columns]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankAnswers:
+    """Several ranks' `StepResults` for one message, as one object: each value's columns stacked
+    over the ranks when they stack. What a relay tree sends up, so that the driver reads one array
+    per value whatever the number of ranks (64 `StepResults` cost it 0.2 ms to unpickle)."""
+
+    ranks: tuple[int, ...]
+    columns: tuple[Any, ...]  # per value: an array [ranks, steps, ...], or by rank a `StepResults` column
+    steps: int
+
+    @classmethod
+    def of(cls, rank: int, results: StepResults) -> "RankAnswers":
+        columns = tuple(c[None] if isinstance(c, np.ndarray) else [c] for c in results.columns)
+        return cls((rank,), columns, results.steps)
+
+    @classmethod
+    def merge(cls, parts: list["RankAnswers"]) -> "RankAnswers":
+        """One answer for the ranks of ``parts`` (answers to one message), in their order."""
+        if len(parts) == 1:
+            return parts[0]
+        columns = []
+        for j, first in enumerate(parts[0].columns):
+            cols = [p.columns[j] for p in parts]
+            if all(isinstance(c, np.ndarray) and c.shape[1:] == first.shape[1:] and c.dtype == first.dtype
+                   for c in cols):  # fmt: skip
+                columns.append(np.concatenate(cols))
+            else:
+                columns.append([v for c in cols for v in (list(c) if isinstance(c, np.ndarray) else c)])
+        return cls(tuple(r for p in parts for r in p.ranks), tuple(columns), parts[0].steps)
+
+    @functools.cached_property
+    def _row(self) -> dict[int, int]:
+        return {rank: i for i, rank in enumerate(self.ranks)}
+
+    def __getitem__(self, rank: int) -> StepResults | None:
+        """``rank``'s results (None if it did not answer)."""
+        i = self._row.get(rank)
+        return None if i is None else StepResults(tuple(c[i] for c in self.columns), self.steps)
+
+    def stacked(self, value: int, ranks: tuple[int, ...]) -> np.ndarray | None:
+        """Value ``value`` of ``ranks``, one array [ranks, steps, ...] (None if its columns do not stack)."""
+        column = self.columns[value]
+        return column[[self._row[r] for r in ranks]] if isinstance(column, np.ndarray) else None
 
 
 @dataclasses.dataclass(frozen=True)

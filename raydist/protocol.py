@@ -22,7 +22,7 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import INLINE_BYTES, BuildReport, LoaderStep, Parcel, ReadOrder, StepResults
+from .messages import INLINE_BYTES, BuildReport, LoaderStep, Parcel, RankAnswers, ReadOrder, StepResults
 from .topology import ModePlan
 
 if TYPE_CHECKING:
@@ -203,28 +203,27 @@ class RankActor(Member):
             relayed.done.set()
 
     @ray.method(concurrency_group=RELAY)
-    def collect(self, first: int) -> dict[int, StepResults]:
+    def collect(self, first: int) -> RankAnswers | None:
         """The results of the relayed message that begins at step ``first``, of this rank and every
-        rank below it that the driver reads: {rank: its per-step results}. Raises the first failure
-        below (a child's at once, even while this rank's own step waits for the failed one)."""
+        rank below it that the driver reads, as one answer (None: no such rank). Raises the first
+        failure below (a child's at once, even while this rank's own step waits for the failed one)."""
         pending = [child.collect.remote(first) for child in self.children]
         relayed = self._relayed_for(first)
-        out: dict[int, StepResults] = {}
+        below: list[RankAnswers] = []
         while pending and relayed.error is None:
             # while this rank's own steps run, look at them now and then: a failure here would
             # leave the children waiting for this rank in a collective
             timeout = None if relayed.done.is_set() else RELAY_POLL_S
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-            for ref in ready:
-                out.update(_result_below(ref))
+            below += [answers for answers in map(_result_below, ready) if answers is not None]
         relayed.done.wait()
         with self._relaying:
             del self._relayed[first]
         if relayed.error is not None:
             raise relayed.error
         if relayed.results is not None:
-            out[self.rank] = relayed.results
-        return out
+            below.insert(0, RankAnswers.of(self.rank, relayed.results))
+        return RankAnswers.merge(below) if below else None
 
     def _relayed_for(self, first: int) -> "_Relayed":
         """The record of a relayed message, made by `relay` or `collect`, whichever comes first."""
@@ -313,7 +312,7 @@ class _Relayed:
         self.done = threading.Event()
 
 
-def _result_below(ref: ray.ObjectRef) -> dict[int, StepResults]:
+def _result_below(ref: ray.ObjectRef) -> RankAnswers | None:
     """A child's `RankActor.collect` result; its failure raised as the child raised it (a rank's
     `RankFailed` keeps naming that rank; a death stays a death, for the driver to find)."""
     try:

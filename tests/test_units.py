@@ -1,5 +1,6 @@
 """Pure units: layouts, the rank environment (GPU included), specs. No Ray, no ranks."""
 
+import pickle
 import re
 import subprocess
 import sys
@@ -68,6 +69,41 @@ def test_a_relayed_message_reaches_every_rank_once_and_enters_each_node_once():
     assert max(depth.values()) == 3  # a: 0 -> 1..4 -> 5..8; b: 0 -> 9 -> 10..13 -> 14..16
     assert relay_tree(["x"] * 64)[0] == [1, 2, 3, 4] and max(len(c) for c in relay_tree(["x"] * 64).values()) == 4
     assert relay_tree(["x"]) == {0: []}
+
+
+def test_a_relay_trees_answer_stacks_the_ranks_and_reads_like_one_answer_per_rank():
+    """What `RankActor.collect` sends up: one object for many ranks. The driver's reading of it (a rank's
+    results, a loss reduced over ranks) equals reading each rank's `StepResults`, bit for bit."""
+    from raydist.driver.client import MessageAnswers
+    from raydist.driver.transport import TreeAnswers
+    from raydist.messages import RankAnswers, StepResults
+
+    rng = np.random.default_rng(0)
+
+    def results(rank):  # 3 steps: a loss, an output whose shape differs by rank, a value rank 3 does not hold
+        return StepResults.of([[rng.standard_normal(()).astype("float32"), np.ones((2, rank + 1)),
+                                None if rank == 3 else np.full(3, rank)] for _ in range(3)])  # fmt: skip
+
+    by_rank = {r: results(r) for r in (0, 2, 3, 5)}  # ranks 1 and 4: not read
+    leaf = {r: RankAnswers.of(r, a) for r, a in by_rank.items()}
+    tree = RankAnswers.merge([leaf[0], RankAnswers.merge([leaf[3], leaf[2]]), leaf[5]])
+    assert tree.ranks == (0, 3, 2, 5) and RankAnswers.merge([leaf[2]]) is leaf[2]
+    loaded = pickle.loads(pickle.dumps(tree))
+    assert isinstance(loaded.columns[0], np.ndarray) and loaded.columns[0].shape == (4, 3)  # one array, not 4
+    assert isinstance(loaded.columns[1], list) and isinstance(loaded.columns[2], list)
+    view = TreeAnswers(loaded, 6)
+    assert len(view) == 6 and view[1] is None and view[4] is None
+    for r, expected in by_rank.items():
+        for step in range(3):
+            for got, want in zip(view[r][step], expected[step]):
+                assert (got is None and want is None) or np.array_equal(got, want)
+    listed = [by_rank.get(r) for r in range(6)]  # what the calls transports hand the driver
+    for ranks in [(0, 2, 3, 5), (5, 0)]:
+        fast, slow = MessageAnswers(view).reduced(0, ranks, "avg"), MessageAnswers(listed).reduced(0, ranks, "avg")
+        assert fast.dtype == slow.dtype == np.float32 and fast.tobytes() == slow.tobytes()
+    # a value not stacked over the ranks (rank 3 holds none of it) is stacked by the driver
+    np.testing.assert_array_equal(MessageAnswers(view).reduced(2, (0, 2), "sum"), np.full((3, 3), 2))
+    assert TreeAnswers(None, 2)[0] is None and TreeAnswers(None, 2).stacked(0, (0,)) is None
 
 
 def test_auto_dispatch_on_cpus_relays_through_the_ranks_from_eight_on():

@@ -166,11 +166,12 @@ class MessageAnswers:
         """``op`` over ``ranks`` of the value ``value``, for every step (None if not stacked per step)."""
         key = (value, ranks, op)
         if key not in self._reduced:
-            columns = [self.answers[r].columns[value] for r in ranks]
-            if all(isinstance(c, np.ndarray) for c in columns):
-                self._reduced[key] = REDUCTIONS[op](np.stack(columns), axis=0).astype(columns[0].dtype)
-            else:
-                self._reduced[key] = None
+            stacked = self.answers.stacked(value, ranks) if hasattr(self.answers, "stacked") else None
+            if stacked is None:  # by rank: stack them here
+                columns = [self.answers[r].columns[value] for r in ranks]
+                if all(isinstance(c, np.ndarray) for c in columns):
+                    stacked = np.stack(columns)
+            self._reduced[key] = None if stacked is None else REDUCTIONS[op](stacked, axis=0).astype(stacked.dtype)
         return self._reduced[key]
 
 

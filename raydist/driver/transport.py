@@ -21,7 +21,8 @@ switch), so it is serialized once:
   passes it on to a few others (`relay_tree`: from node to node, then within
   a node), so the driver's cost per message does not grow with the ranks.
   The results come back up the same tree, from the ranks the driver reads
-  only, as one answer. The default on CPUs from `TREE_FROM` ranks.
+  only, as one answer (`raydist.messages.RankAnswers`: each value one array
+  over the ranks, so reading it does not grow with them either). The default on CPUs from `TREE_FROM` ranks.
 
 All three hand every failure to `RankGroup.gather`'s error path (`RankGroup.fail`):
 the caller sees `RankError` naming the rank, and the group is torn down.
@@ -33,11 +34,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ..messages import INLINE_BYTES, Parcel
+from ..messages import INLINE_BYTES, Parcel, RankAnswers, StepResults
 
 if TYPE_CHECKING:
     from .group import RankGroup
@@ -189,10 +191,29 @@ class TreeTransport:
             raise self.group.timed_out(self.group.busy_ranks(), during(steps), timeout) from e
         except Exception as e:
             raise self.group.fail(e, during(steps), steps=steps) from e
-        return [answers.get(rank) for rank in range(len(self.group))]
+        return TreeAnswers(answers, len(self.group))
 
     def close(self) -> None:
         pass
+
+
+class TreeAnswers(Sequence):
+    """The relay tree's answer to a message, by rank, as the other transports give theirs (a rank's
+    `StepResults` or None), without taking it apart: `stacked` hands a value over all ranks at once."""
+
+    def __init__(self, answers: RankAnswers | None, size: int):
+        self._answers, self._size = answers, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, rank: int) -> StepResults | None:
+        if not 0 <= rank < self._size:
+            raise IndexError(rank)
+        return None if self._answers is None else self._answers[rank]
+
+    def stacked(self, value: int, ranks: tuple[int, ...]):
+        return None if self._answers is None else self._answers.stacked(value, ranks)
 
 
 def _for(timeout: float | None, steps: range) -> float | None:
