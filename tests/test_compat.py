@@ -421,3 +421,35 @@ def test_store_defect_a_client_before_the_master_waits_3_s_and_raydist_waits_20_
     )
     waited = float(out.split("master waited")[1])
     assert (waited < 0.5) if wait else (waited > 2.0), out
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_executor_defect_every_run_prints_the_whole_program_and_a_frozen_one_is_printed_once(frozen):
+    """Behind raydist.compat.executor: Paddle's executor keys its cache by the PIR program's text,
+    printed on every run; a program raydist froze is printed once, and runs as before."""
+    out = run_plain_paddle(
+        f"""
+        import numpy as np
+        import paddle
+        from raydist.compat import executor as compat_executor
+        paddle.enable_static()
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        with paddle.static.program_guard(main, startup):
+            x = paddle.static.data("x", [4, 3], "float32")
+            y = paddle.static.nn.fc(x, 2)
+        exe = paddle.static.Executor(paddle.CPUPlace())
+        exe.run(startup)
+        printed = []
+        program_str = type(main).__str__
+        type(main).__str__ = lambda program: printed.append("Program") or program_str(program)
+        if {frozen}:
+            compat_executor.apply()
+            compat_executor.freeze(main)
+        feed = {{"x": np.ones([4, 3], "float32")}}
+        outs = [exe.run(main, feed=feed, fetch_list=[y])[0] for _ in range(5)]
+        assert all(np.array_equal(o, outs[0]) for o in outs)
+        print("printed", printed.count("Program"))
+        """
+    )
+    printed = int(out.split("printed")[1])
+    assert printed == (1 if frozen else 5), out  # frozen: by `freeze`, not by the runs

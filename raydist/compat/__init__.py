@@ -10,6 +10,7 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 - `collectives`: collectives that pick their gloo ring by id (CPU builds only).
 - `stages`: parameters of other pipeline stages at initialisation (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
+- `executor`: the executor's per-step printing of the whole program (all devices).
 - `store`: the TCP store client's 3-second connect retry (all devices; before
   ``init_parallel_env``, not a patch: see `wait_for_master`).
 """
@@ -62,9 +63,9 @@ def apply(use_gpu: bool) -> list[str]:
             stacklevel=2,
         )
     disabled = disabled_fixes()
-    from . import collectives, engine, rings, stages
+    from . import collectives, engine, executor, rings, stages
 
-    fixes = [("engine", engine.apply)]
+    fixes = [("engine", engine.apply), ("executor", executor.apply)]
     if not use_gpu:
         fixes += [("rings", rings.apply), ("collectives", collectives.apply), ("stages", stages.apply)]
     applied = []

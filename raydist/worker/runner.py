@@ -21,6 +21,7 @@ from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static.dist_input_spec import DistributedInputSpec
 
 from ..compat import engine as compat_engine
+from ..compat import executor as compat_executor
 from ..compat.collectives import flush as flush_sends
 from ..specs import TensorSpec
 from ..strategy import micro_batches
@@ -118,6 +119,7 @@ class StaticRunner:
             self._feed[mode] = [s.name for s in specs]
             layouts = [layout_of_value(v) if h else None for v, h in zip(values, held)]
             self._plans[mode] = ModePlan(layouts, tuple(len(g) for g in groups))
+            compat_executor.freeze(self.engine._pir_dense_main_progs[mode])  # built: it will not change
         compat_engine.use_mode(self.engine, mode)
         self.mode = mode
         return self._plans[mode]
