@@ -22,7 +22,8 @@ switch), so it is serialized once:
   a node), so the driver's cost per message does not grow with the ranks.
   The results come back up the same tree, from the ranks the driver reads
   only, as one answer (`raydist.messages.RankAnswers`: each value one array
-  over the ranks, so reading it does not grow with them either). The default on CPUs from `TREE_FROM` ranks.
+  over the ranks, so reading it does not grow with them either). The default
+  on CPUs from `TREE_FROM` ranks.
 
 All three hand every failure to `RankGroup.gather`'s error path (`RankGroup.fail`):
 the caller sees `RankError` naming the rank, and the group is torn down.
