@@ -88,7 +88,13 @@ def per_step(ranks: int, steps: int, warmup: int, dispatch: str, batch: int = 64
             dispatched = time.process_time() - cpu
             dm.wait()
             cpu, wall, main = time.process_time() - cpu, time.perf_counter() - wall, time.thread_time() - main
-            calls = python_calls(lambda: [step() for _ in range(steps)] and dm.wait()) / steps
+
+            def steps_again():
+                for _ in range(steps):
+                    step()
+                dm.wait()
+
+            calls = python_calls(steps_again) / steps
     finally:
         driver_model.GroupConfig = GroupConfig
     return {"cpu_us": 1e6 * cpu / steps, "dispatch_cpu_us": 1e6 * dispatched / steps, "wall_us": 1e6 * wall / steps,

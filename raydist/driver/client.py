@@ -166,7 +166,8 @@ class MessageAnswers:
         """``op`` over ``ranks`` of the value ``value``, for every step (None if not stacked per step)."""
         key = (value, ranks, op)
         if key not in self._reduced:
-            stacked = self.answers.stacked(value, ranks) if hasattr(self.answers, "stacked") else None
+            stacked_by_transport = getattr(self.answers, "stacked", None)  # the relay tree's answer
+            stacked = stacked_by_transport(value, ranks) if stacked_by_transport is not None else None
             if stacked is None:  # by rank: stack them here
                 columns = [self.answers[r].columns[value] for r in ranks]
                 if all(isinstance(c, np.ndarray) for c in columns):
