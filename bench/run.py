@@ -104,6 +104,15 @@ def run_reference(name: str, steps: int) -> list[float]:
     return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])["losses"]
 
 
+def _rank_stats(rank) -> dict:
+    """Inside a rank actor (Ray's ``__ray_call__``): when its steps started and how long they waited for
+    data since the last call, and for pipeline neighbours in all; the process's CPU seconds so far."""
+    from raydist.compat.collectives import p2p_waited_s
+
+    return {"starts": rank.model.take_starts(), "wait": rank.data.take_wait(), "stage_wait": p2p_waited_s(),
+            "cpu": time.process_time()}
+
+
 def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     """Run ``call(dm, batch)`` for every batch, reading every loss at the end.
 
@@ -113,7 +122,7 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     import ray
 
     def take_stats():
-        return ray.get([a.take_stats.remote() for a in dm._client.group.actors])
+        return ray.get([a.__ray_call__.remote(_rank_stats) for a in dm._client.group.actors])
 
     losses, first = [], None
     for i, batch in enumerate(batches):

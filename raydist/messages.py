@@ -151,6 +151,15 @@ class RankAnswers:
 
 
 @dataclasses.dataclass(frozen=True)
+class Progress:
+    """A rank's answer to a ping beside its steps: the step it runs (or waits for the data of),
+    and for how many seconds so far, by its own clock."""
+
+    step: int
+    for_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class BuildReport:
     """What a rank built: the meshes of the layer's parameters, in order, and the
     optimizer's learning rate (a float, a pickled ``LRScheduler``, or None)."""

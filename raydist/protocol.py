@@ -13,8 +13,6 @@ import functools
 import os
 import resource
 import socket
-import threading
-import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +20,7 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import INLINE_BYTES, BuildReport, LoaderStep, Parcel, RankAnswers, ReadOrder, StepResults
+from .messages import BuildReport, Parcel, Progress, RankAnswers, ReadOrder, StepResults
 from .topology import ModePlan
 
 if TYPE_CHECKING:
@@ -65,8 +63,6 @@ ASIDE = "aside"
 DATA = "data"
 RELAY = "relay"
 RELAY_THREADS = 8
-# How often a rank collecting a relayed message looks at its own step while it waits for its children's.
-RELAY_POLL_S = 0.05
 
 
 class Member:
@@ -96,9 +92,9 @@ class Member:
         return True
 
     @ray.method(concurrency_group=ASIDE)
-    def ping(self) -> int | None:
-        """Answers even while a step runs: tells the driver this rank is alive (and, for a
-        rank, the number of the step it runs; None: none)."""
+    def ping(self) -> Progress | None:
+        """Answers even while a step runs: tells the driver this actor is alive (and, for a
+        rank, the step it runs and for how long; None: none)."""
         return None
 
 
@@ -113,9 +109,7 @@ class RankActor(Member):
         self.data = None  # raydist.worker.data.DataService, once joined
         self.device = "cpu"
         self.group: str | None = None  # the group's name, once joined
-        self.children: list = []  # the ranks this one relays messages to (`relay`)
-        self._relayed: dict[int, _Relayed] = {}  # by a message's first step
-        self._relaying = threading.Lock()
+        self.relays = None  # raydist.worker.relay.Relay, once the driver relays messages through the ranks
 
     def warm_up(self, quiet: bool, modules: tuple[str, ...] = ()) -> None:
         """Import Paddle (and ``modules``) while the group is placed (CPU ranks: nothing it
@@ -162,73 +156,25 @@ class RankActor(Member):
 
     @reports_rank
     def run(self, parcel: Parcel) -> StepResults | None:
-        """The parcel's steps, in order: this rank's local results of each if the driver reads them, else None.
-
-        A step that fails says which it was (its number), so the driver names it."""
-        results = []
-        try:
-            for number, message in enumerate(parcel.steps, parcel.first):
-                self.model.running = number
-                try:
-                    batch = self.data.take(message) if isinstance(message, LoaderStep) else None
-                    results.append(self.model.step(message, batch))
-                except Exception as e:
-                    e.raydist_step = number
-                    raise
-        finally:
-            self.model.running = None
-        return StepResults.of(results) if self.model.collect else None
+        """The parcel's steps, in order: this rank's local results of each if the driver reads them, else None."""
+        return self.model.run(parcel, self.data)
 
     # -- relayed messages (`raydist.driver.transport.TreeTransport`) ---------------
 
     def set_children(self, children: list) -> None:
         """The actors this rank passes each relayed message on to."""
-        self.children = list(children)
+        from .worker.relay import Relay
+
+        self.relays = Relay(self.rank, self.run, children)
 
     def relay(self, first: int, payload: Parcel | list) -> None:
-        """Pass the message (its first step: ``first``) on to this rank's children, then run its
-        steps (as `run`); `collect` returns the results. ``payload``: the parcel, or ``[ref]`` to it
-        in the object store (so that it is passed on as a ref, not copied)."""
-        parcel = payload if isinstance(payload, Parcel) else None
-        if parcel is not None and self.children and parcel.nbytes > INLINE_BYTES:
-            payload = [ray.put(parcel)]  # the ranks below borrow it from this one, not from the driver
-        for child in self.children:
-            child.relay.remote(first, payload)  # in order, as every caller's calls to one actor
-        relayed = self._relayed_for(first)
-        try:
-            relayed.results = self.run(parcel if parcel is not None else ray.get(payload[0]))
-        except BaseException as e:  # noqa: BLE001 - `collect` raises it
-            relayed.error = e
-        finally:
-            relayed.done.set()
+        """Pass the message on to this rank's children, then run its steps (see `raydist.worker.relay`)."""
+        self.relays.relay(first, payload)
 
     @ray.method(concurrency_group=RELAY)
     def collect(self, first: int) -> RankAnswers | None:
-        """The results of the relayed message that begins at step ``first``, of this rank and every
-        rank below it that the driver reads, as one answer (None: no such rank). Raises the first
-        failure below (a child's at once, even while this rank's own step waits for the failed one)."""
-        pending = [child.collect.remote(first) for child in self.children]
-        relayed = self._relayed_for(first)
-        below: list[RankAnswers] = []
-        while pending and relayed.error is None:
-            # while this rank's own steps run, look at them now and then: a failure here would
-            # leave the children waiting for this rank in a collective
-            timeout = None if relayed.done.is_set() else RELAY_POLL_S
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-            below += [answers for answers in map(_result_below, ready) if answers is not None]
-        relayed.done.wait()
-        with self._relaying:
-            del self._relayed[first]
-        if relayed.error is not None:
-            raise relayed.error
-        if relayed.results is not None:
-            below.insert(0, RankAnswers.of(self.rank, relayed.results))
-        return RankAnswers.merge(below) if below else None
-
-    def _relayed_for(self, first: int) -> "_Relayed":
-        """The record of a relayed message, made by `relay` or `collect`, whichever comes first."""
-        with self._relaying:
-            return self._relayed.setdefault(first, _Relayed())
+        """The results of the relayed message from step ``first``, of this rank and the ranks below it."""
+        return self.relays.collect(first)
 
     @reports_rank
     def program(self, kind: str, mode: str | None) -> str:
@@ -272,8 +218,8 @@ class RankActor(Member):
         self.data.fail(loader, epoch, error)
 
     @ray.method(concurrency_group=ASIDE)
-    def ping(self) -> int | None:
-        return self.model.running if self.model is not None else None
+    def ping(self) -> Progress | None:
+        return self.model.progress() if self.model is not None else None
 
     @ray.method(concurrency_group=ASIDE)
     def live_state(self, wait_s: float) -> tuple[int, dict] | None:
@@ -290,34 +236,3 @@ class RankActor(Member):
         return {"rank": self.rank, "group": self.group, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "device": self.device, "mode": mode,
                 "peak_rss_mib": peak}  # fmt: skip
-
-    @ray.method(concurrency_group=ASIDE)
-    def take_stats(self) -> dict[str, Any]:
-        """When this rank's steps started and how long they waited for data since the last call, and for
-        pipeline neighbours in all; the process's CPU seconds so far (for bench/)."""
-        from .compat.collectives import p2p_waited_s
-
-        return {"starts": self.model.take_starts(), "wait": self.data.take_wait(), "stage_wait": p2p_waited_s(),
-                "cpu": time.process_time()}
-
-
-class _Relayed:
-    """A relayed message on one rank: its parcel, and this rank's results or failure once its steps ran."""
-
-    __slots__ = ("results", "error", "done")
-
-    def __init__(self):
-        self.results: list | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
-def _result_below(ref: ray.ObjectRef) -> RankAnswers | None:
-    """A child's `RankActor.collect` result; its failure raised as the child raised it (a rank's
-    `RankFailed` keeps naming that rank; a death stays a death, for the driver to find)."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, BaseException):
-            raise e.cause from None
-        raise

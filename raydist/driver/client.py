@@ -8,8 +8,9 @@ Everything the driver asks of the ranks goes through a `RankClient`:
 - `RankClient.step` adds a step to the window of steps in flight
   (`raydist.driver.steps`), which sends it, alone or with the next ones in
   one message, through the transport (`raydist.driver.transport`);
-- every failure, from either, reaches the caller through `RankGroup.gather`:
-  `RankError` naming the rank, the group torn down once.
+- every failure, from either, reaches the caller as `RankError` naming the
+  rank (`RankGroup.fail`), the group torn down once; a rank that hangs, as
+  soon as it has hung for a step's limit (`raydist.driver.watch`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ from ..topology import REDUCTIONS
 from .group import RankGroup, call_on
 from .steps import Step, Window
 from .transport import TREE_FROM, open_transport
-
-# A step's ranks get this much longer than step_timeout_s at the driver, so a rank's
-# own timeout (waiting step_timeout_s for its loader batch) is what gets reported.
-REPORT_GRACE_S = 5.0
+from .watch import Watch
 
 log = logging.getLogger("raydist")
 
@@ -52,7 +50,7 @@ class RankClient:
                              most=steps_per_message)  # fmt: skip
         # on CPUs (where "auto" is still open), calls to a few ranks, relayed through many
         self._dispatch = dispatch if dispatch != "auto" else ("tree" if len(group) >= TREE_FROM else "calls")
-        self._timeout = None if step_timeout is None else step_timeout + REPORT_GRACE_S
+        self.watch = Watch(group, step_timeout)
         self._transport = None
         self._opening = threading.Lock()
         self._after_first: list[Callable[[], Any]] = []
@@ -86,14 +84,14 @@ class RankClient:
         self.group.check_alive()
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         refs = call_on([self.group.actors[r] for r in ranks], method, *args, **kwargs)
-        return self.group.gather(refs, method.__name__, ranks)
+        return self.group.gather(refs, method.__name__, ranks, watch=self.watch)
 
     def call_each(self, method: Callable[..., R], args: dict[int, tuple]) -> list[R]:
         """``method``'s results from the ranks of ``args``, each called with its own arguments."""
         self.window.drain()
         self.group.check_alive()
         refs = [getattr(self.group.actors[r], method.__name__).remote(*a) for r, a in args.items()]
-        return self.group.gather(refs, method.__name__, list(args))
+        return self.group.gather(refs, method.__name__, list(args), watch=self.watch)
 
     def tell(self, rank: int, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
         """Call ``method`` on ``rank`` without waiting; its failures reach the steps that need it."""
@@ -146,7 +144,7 @@ class RankClient:
             with self._opening:
                 self.group.check_alive()
                 if self._transport is None:
-                    transport = open_transport(self.group, self.window.size, self._dispatch, self._timeout)
+                    transport = open_transport(self.group, self.window.size, self._dispatch, self.watch)
                     self.group.on_shutdown(transport.close)
                     self._transport = transport
         return self._transport

@@ -16,7 +16,7 @@ import logging
 import re
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import (
@@ -28,9 +28,13 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..env import RankPlace, paddle_env
+from ..messages import Progress
 from ..errors import GroupShutdownError, RankError, RankFailed, RankRefused, UsageError
 from ..protocol import Member, RankActor
 from .placement import wait_placed
+
+if TYPE_CHECKING:
+    from .watch import Watch
 
 log = logging.getLogger("raydist")
 
@@ -259,7 +263,7 @@ class RankGroup:
             raise GroupShutdownError("the rank group is shut down (after shutdown() or a rank failure)")
 
     def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
-               timeout: float | None = None, steps: range | None = None) -> list:  # fmt: skip
+               watch: "Watch | None" = None, steps: range | None = None) -> list:  # fmt: skip
         """Results of ``refs`` (one per rank in ``ranks``, default all, in order; ``steps``:
         the steps they run, if they are a message's).
 
@@ -270,16 +274,16 @@ class RankGroup:
           `RankError` naming the rank, the original error as its cause.
           ``ray.get`` of several refs raises as soon as one failed, so this
           never waits on a rank blocked because a peer failed.
-        - No result within ``timeout`` seconds (a collective that never
-          returns): `RankError` naming the ranks still busy; torn down.
+        - A rank hung for longer than ``watch`` allows (`raydist.driver.watch`):
+          `RankError` naming it; torn down.
         """
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         try:
-            return ray.get(list(refs), timeout=timeout)
-        except ray.exceptions.GetTimeoutError as e:
-            _, busy = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-            stuck = [ranks[list(refs).index(r)] for r in busy]
-            raise self.timed_out(stuck, during, timeout) from e
+            if watch is None:
+                return ray.get(list(refs))
+            return watch.wait(lambda timeout: ray.get(list(refs), timeout=timeout), during)
+        except RankError:
+            raise
         except Exception as e:
             if _refused(e):
                 refusal = self._refusal(refs)
@@ -304,15 +308,10 @@ class RankGroup:
             return None  # this rank succeeded, or failed otherwise: the ranks disagree
         return UsageError(refusals[0].message)
 
-    def timed_out(self, stuck: list[int], during: str, timeout: float | None) -> RankError:
-        """Tear the group down after ranks ``stuck`` gave no answer in time."""
+    def timed_out(self, stuck: list[int], during: str, why: str) -> RankError:
+        """Tear the group down after ranks ``stuck`` hung (``why``: how)."""
         self.shutdown()
-        return RankError(
-            stuck[0] if stuck else -1,
-            f"no result from ranks {stuck} within {timeout} s: a collective that never returns, or a peer "
-            "that vanished without Ray noticing (raise step_timeout_s for longer steps)",
-            during=during,
-        )
+        return RankError(stuck[0] if stuck else -1, why, during=during)
 
     def fail(self, e: BaseException, during: str, rank: int = -1, steps: range | None = None,
              broke_off: Sequence[int] = ()) -> RankError:  # fmt: skip
@@ -346,12 +345,8 @@ class RankGroup:
         """A dead rank, its death, and the numbers of the steps the live ranks run; None if none died."""
         answers = ping_all(self.actors, timeout)
         dead = next(((r, a) for r, a in enumerate(answers) if isinstance(a, ray.exceptions.RayActorError)), None)
-        running = [a for a in answers if isinstance(a, int)]
+        running = [a.step for a in answers if isinstance(a, Progress)]
         return None if dead is None else (*dead, running)
-
-    def busy_ranks(self, timeout: float = DEATH_GRACE_S) -> list[int]:
-        """The ranks in a step now, or not answering."""
-        return [rank for rank, answer in enumerate(ping_all(self.actors, timeout)) if answer is not None]
 
     def rank_of(self, e: BaseException) -> int:
         """Which rank a failure came from: `RankFailed` says; a death names its actor."""

@@ -25,8 +25,10 @@ switch), so it is serialized once:
   over the ranks, so reading it does not grow with them either). The default
   on CPUs from `TREE_FROM` ranks.
 
-All three hand every failure to `RankGroup.gather`'s error path (`RankGroup.fail`):
-the caller sees `RankError` naming the rank, and the group is torn down.
+All three wait for a message through the group's `raydist.driver.watch.Watch`,
+which finds a hung rank within a step's limit whatever the message's size, and
+hand every failure to `RankGroup.fail`: the caller sees `RankError` naming the
+rank, and the group is torn down.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
+from ..errors import RankError
 from ..messages import INLINE_BYTES, Parcel, RankAnswers, StepResults
+from .watch import Watch
 
 if TYPE_CHECKING:
     from .group import RankGroup
@@ -54,25 +57,19 @@ class CallTransport:
 
     name = "calls"
 
-    def __init__(self, group: "RankGroup", timeout: float | None):
+    def __init__(self, group: "RankGroup", watch: Watch):
         self.group = group
-        self.timeout = timeout
+        self.watch = watch
 
     def send(self, parcel: Parcel) -> list[ray.ObjectRef]:
         payload = parcel if parcel.nbytes <= INLINE_BYTES else ray.put(parcel)
         return [actor.run.remote(payload) for actor in self.group.actors]
 
     def receive(self, refs: list[ray.ObjectRef], steps: range) -> list:
-        timeout = _for(self.timeout, steps)
-        return self.group.gather(refs, during(steps), timeout=timeout, steps=steps)
+        return self.group.gather(refs, during(steps), watch=self.watch, steps=steps)
 
     def close(self) -> None:
         pass
-
-
-class _Stuck(Exception):
-    def __init__(self, ranks: list[int]):
-        self.ranks = ranks
 
 
 @dataclasses.dataclass
@@ -86,11 +83,11 @@ class CompiledTransport:
 
     name = "compiled"
 
-    def __init__(self, group: "RankGroup", max_in_flight: int, timeout: float | None):
+    def __init__(self, group: "RankGroup", max_in_flight: int, watch: Watch):
         from ray.dag import InputNode, MultiOutputNode
 
         self.group = group
-        self.timeout = timeout
+        self.watch = watch
         with InputNode() as message:
             dag = MultiOutputNode([actor.run.bind(message) for actor in group.actors])
         self._graph = dag.experimental_compile(_max_inflight_executions=max_in_flight)
@@ -100,27 +97,20 @@ class CompiledTransport:
         return _Ticket(self._thread.submit(self._graph.execute, parcel))
 
     def receive(self, ticket: _Ticket, steps: range) -> list:
-        timeout = _for(self.timeout, steps)
         if ticket.read is None:
-            ticket.read = self._thread.submit(self._read, ticket.sent, timeout)
+            ticket.read = self._thread.submit(self._read, ticket.sent)
         try:
-            return ticket.read.result()  # Ctrl-C interrupts this wait, not the read
-        except _Stuck as e:
-            raise self.group.timed_out(e.ranks, during(steps), timeout) from e.__cause__
+            # Ctrl-C and the watch's slices interrupt this wait, not the read (a graph's
+            # read cut short cannot be asked again); a hung rank's teardown ends the read
+            return self.watch.wait(ticket.read.result, during(steps))
+        except RankError:
+            raise
         except Exception as e:
             raise self.group.fail(e, during(steps), steps=steps) from e
 
-    def _read(self, sent: concurrent.futures.Future, timeout: float | None) -> list:
-        results = []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        refs = sent.result()
-        try:
-            for ref in refs:
-                left = -1 if deadline is None else max(0.0, deadline - time.monotonic())  # -1: no limit
-                results.append(ray.get(ref, timeout=left))
-        except ray.exceptions.RayChannelTimeoutError as e:
-            raise _Stuck(list(range(len(results), len(refs)))) from e
-        return results
+    @staticmethod
+    def _read(sent: concurrent.futures.Future) -> list:
+        return [ray.get(ref, timeout=-1) for ref in sent.result()]  # -1: no limit
 
     def close(self) -> None:
         if self._thread is None:
@@ -169,9 +159,9 @@ class TreeTransport:
 
     name = "tree"
 
-    def __init__(self, group: "RankGroup", timeout: float | None, fanout: int = FANOUT):
+    def __init__(self, group: "RankGroup", watch: Watch, fanout: int = FANOUT):
         self.group = group
-        self.timeout = timeout
+        self.watch = watch
         self.tree = tree = relay_tree(group.nodes, fanout)
         actors = group.actors
         group.gather([actors[r].set_children.remote([actors[c] for c in tree[r]]) for r in range(len(actors))],
@@ -185,11 +175,10 @@ class TreeTransport:
         return self._root.collect.remote(parcel.first)
 
     def receive(self, ref: ray.ObjectRef, steps: range) -> list:
-        timeout = _for(self.timeout, steps)
         try:
-            answers = ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError as e:
-            raise self.group.timed_out(self.group.busy_ranks(), during(steps), timeout) from e
+            answers = self.watch.wait(lambda timeout: ray.get(ref, timeout=timeout), during(steps))
+        except RankError:
+            raise
         except Exception as e:
             raise self.group.fail(e, during(steps), steps=steps) from e
         return TreeAnswers(answers, len(self.group))
@@ -217,27 +206,20 @@ class TreeAnswers(Sequence):
         return None if self._answers is None else self._answers.stacked(value, ranks)
 
 
-def _for(timeout: float | None, steps: range) -> float | None:
-    """A message's timeout: a step's, for each of its steps."""
-    return None if timeout is None else timeout * len(steps)
-
-
 def during(steps: range) -> str:
     """What a message's failure happened during, as far as the driver knows (a rank may say which step)."""
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
-def open_transport(group: "RankGroup", max_in_flight: int, dispatch: str, timeout: float | None):
+def open_transport(group: "RankGroup", max_in_flight: int, dispatch: str, watch: Watch):
     """The step transport for ``group``: ``dispatch`` "tree", "calls", or "compiled" if it can
-    be compiled (else calls).
-
-    ``timeout``: seconds a step may take before its ranks count as stuck.
+    be compiled (else calls). ``watch``: how long a step may take before its ranks count as hung.
     """
     if dispatch == "tree":
-        return TreeTransport(group, timeout)
+        return TreeTransport(group, watch)
     if dispatch == "compiled":
         try:
-            return CompiledTransport(group, max_in_flight, timeout)
+            return CompiledTransport(group, max_in_flight, watch)
         except Exception as e:  # noqa: BLE001 - any failure to compile leaves the plain path
             log.warning("raydist: cannot compile the step graph (%s); using one actor call per rank", e)
-    return CallTransport(group, timeout)
+    return CallTransport(group, watch)

@@ -11,7 +11,7 @@ import paddle
 
 from .. import pickling
 from ..errors import UsageError
-from ..messages import ArraysStep, BuildReport, StepMessage
+from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, StepMessage, StepResults
 from ..specs import TensorSpec
 from ..strategy import pipeline_stages
 from ..topology import Mesh, ModePlan
@@ -31,7 +31,7 @@ class ModelService:
         self.collect = False  # whether the driver reads this rank's step results (set per mode)
         self._thread_device = None
         self._starts: collections.deque = collections.deque(maxlen=100_000)
-        self.running: int | None = None  # the number of the step running now (or waiting for its data)
+        self._running: tuple[int, float] | None = None  # (step, since when) running now or waiting for its data
         self.trained = 0  # train steps completed since the build (the live state's position)
         self.broke_off = False  # whether the last train step raised (a peer's death, say)
         self._idle = threading.Event()  # no step running: the state is between two steps
@@ -95,6 +95,35 @@ class ModelService:
             self.schedule.built(self.runner.engine._pir_dense_main_progs["train"])
         self.collect = self.rank in plan.readers()
         return plan
+
+    @property
+    def running(self) -> int | None:
+        """The number of the step running now (or waiting for its data); None between messages."""
+        running = self._running
+        return None if running is None else running[0]
+
+    def progress(self) -> Progress | None:
+        """The step running now and for how long (read from another thread: one attribute, set whole)."""
+        running = self._running
+        return None if running is None else Progress(running[0], time.monotonic() - running[1])
+
+    def run(self, parcel: Parcel, data) -> StepResults | None:
+        """The parcel's steps, in order (``data``: the rank's `raydist.worker.data.DataService`):
+        this rank's local results of each if the driver reads them, else None. A step that
+        fails says which it was (its number), so the driver names it."""
+        results = []
+        try:
+            for number, message in enumerate(parcel.steps, parcel.first):
+                self._running = (number, time.monotonic())
+                try:
+                    batch = data.take(message) if isinstance(message, LoaderStep) else None
+                    results.append(self.step(message, batch))
+                except Exception as e:
+                    e.raydist_step = number
+                    raise
+        finally:
+            self._running = None
+        return StepResults.of(results) if self.collect else None
 
     def step(self, message: StepMessage, staged: list | None) -> list | None:
         """One step, on the global arrays of ``message`` or the ``staged`` loader batch."""

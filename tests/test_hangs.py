@@ -1,0 +1,131 @@
+"""A rank that hangs (a stopped process, a collective that never returns) is a RankError naming it
+within a step's limit, whatever the size of the message its step travels in."""
+
+import os
+import signal
+import time
+
+import paddle
+import pytest
+
+import raydist
+from models import Reference, assert_close, batches, build, sgd
+from raydist.driver import watch as watch_module
+from raydist.messages import Progress
+
+STEP_TIMEOUT_S = 3.0
+# the step's limit, one slice of the wait, a ping's wait, and room for a loaded 2-core machine
+FOUND_WITHIN_S = STEP_TIMEOUT_S + watch_module.REPORT_GRACE_S + watch_module.LOOK_MAX_S + watch_module.PING_S + 5
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("steps_per_message", ["auto", 1])
+@pytest.mark.parametrize("dispatch", ["calls", "compiled", "tree"])
+def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch, steps_per_message):
+    x, y = batches(1)[0]
+    reference = Reference(sgd())
+    dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, dispatch=dispatch,
+                           steps_per_message=steps_per_message, step_timeout_s=STEP_TIMEOUT_S)  # fmt: skip
+    pids = list(dm._client.group.pids)
+    try:
+        losses = [dm(x, y) for _ in range(300)]  # auto: the messages grow to many steps
+        assert_close([float(loss) for loss in losses], [reference.train(x, y) for _ in losses])
+        window = dm._client.window
+        if steps_per_message == "auto":
+            assert window._k > 8, "the messages should hold many steps by now"
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        with pytest.raises(raydist.RankError) as info:
+            for _ in range(100_000):  # the window fills, the driver waits for a message that cannot finish
+                dm(x, y)
+            dm.wait()
+        took = time.monotonic() - stopped
+        assert info.value.rank == 1, info.value
+        assert "no answer from ranks [1]" in str(info.value)
+        assert took < FOUND_WITHIN_S, f"found after {took:.1f} s"
+        with pytest.raises(raydist.GroupShutdownError):
+            dm(x, y)
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        dm._close()
+
+
+# -- the watch's decisions, on scripted answers (no ranks) -------------------------------------------
+
+
+class _Group:
+    """Stands in for a RankGroup: the ranks' scripted ping answers, and the error it would raise."""
+
+    def __init__(self, script):
+        self.actors = [0, 1]
+        self.script = iter(script)
+        self.failed = None
+
+    def timed_out(self, ranks, during, why):
+        self.failed = (ranks, why)
+        return raydist.RankError(ranks[0], why, during=during)
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """A watch with a step limit of 0.3 s, looked at every 0.05 s."""
+    monkeypatch.setattr(watch_module, "REPORT_GRACE_S", 0.0)
+    monkeypatch.setattr(watch_module, "LOOK_MIN_S", 0.05)
+    monkeypatch.setattr(watch_module, "LOOK_MAX_S", 0.05)
+
+    def make(script):
+        group = _Group(script)
+        monkeypatch.setattr(watch_module, "ping_all", lambda actors, timeout: next(group.script))
+        return group, watch_module.Watch(group, 0.3)
+
+    return make
+
+
+def _slow_get(after_s):
+    began = time.monotonic()
+
+    def get(timeout):
+        if time.monotonic() - began < after_s:
+            time.sleep(timeout)
+            raise TimeoutError
+        return "answer"
+
+    return get
+
+
+def test_a_message_longer_than_the_limit_whose_steps_move_on_is_not_hung(quick):
+    # steps of 0.1 s each: the message takes 1 s, more than three limits
+    steps = ([Progress(n, 0.1), Progress(n, 0.1)] for n in range(10_000))
+    group, watch = quick(steps)
+    assert watch.wait(_slow_get(1.0), "steps 0-9") == "answer"
+    assert group.failed is None
+
+
+def test_a_rank_in_one_step_past_the_limit_is_hung(quick):
+    began = time.monotonic()
+    group, watch = quick([Progress(4, time.monotonic() - began + 0.0), None] for _ in range(10_000))
+    with pytest.raises(raydist.RankError) as info:
+        watch.wait(_slow_get(60), "steps 0-63")
+    assert group.failed[0] == [0] and "in one step" in group.failed[1]
+    assert time.monotonic() - began < 2
+    assert info.value.during == "steps 0-63"
+
+
+def test_a_silent_rank_is_named_once_silent_for_the_limit(quick):
+    answers = ([Progress(4, 0.01), watch_module.NO_ANSWER] for _ in range(10_000))
+    group, watch = quick(answers)
+    began = time.monotonic()
+    with pytest.raises(raydist.RankError):
+        watch.wait(_slow_get(60), "step 4")
+    assert group.failed[0] == [1] and "no answer from ranks [1]" in group.failed[1]
+    assert 0.3 <= time.monotonic() - began < 2
+
+
+def test_no_limit_waits_without_looking():
+    watch = watch_module.Watch(_Group([]), None)
+    assert watch.wait(lambda timeout: timeout, "step 0") is None
