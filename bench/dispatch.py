@@ -30,7 +30,7 @@ import ray
 
 import raydist
 from raydist.driver import model as driver_model
-from raydist.driver.group import GroupConfig
+from raydist.driver.actors import GroupConfig
 from raydist.messages import BuildReport, StepResults
 from raydist.protocol import RankActor
 from raydist.topology import Layout, Mesh, ModePlan

@@ -42,11 +42,11 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = Tr
     from bench import models
     from bench.run import RANK_ENV
 
-    from raydist.driver.model import DistModel
+    from raydist.driver.lifecycle import Lifecycle
 
-    salvage = DistModel._salvage
+    salvage = Lifecycle._salvage
     if not survivors:
-        DistModel._salvage = lambda self, group: None  # as before: every restart from the checkpoint
+        Lifecycle._salvage = lambda self, group: None  # as before: every restart from the checkpoint
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     nodes = [cluster.add_node(num_cpus=2, resources={"rank": 2}) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
@@ -93,7 +93,7 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = Tr
             out["join_to_larger"] = next(t for t, n in ends if t > events["joined"] and n == 4) - events["joined"]
         return out
     finally:
-        DistModel._salvage = salvage
+        Lifecycle._salvage = salvage
         ray.shutdown()
         cluster.shutdown()
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raydist.driver.group import GroupConfig
+from raydist.driver.actors import GroupConfig
 
 CONFIG = Path(__file__).resolve().parent.parent / "cluster.yaml"
 

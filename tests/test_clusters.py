@@ -107,7 +107,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
         redone = dm._client.window.submitted - len(losses)
         print("sizes", sizes, "steps sent again", redone, "joined during a save", during)
         # from the survivors' state: only the step in flight runs again (the checkpoint is 3 steps older)
-        assert dm._restored_live and redone == 1, (dm._restored_live, redone)
+        assert dm._life.went_on_live and redone == 1, (dm._life.went_on_live, redone)
         print(f"loss to smaller step {events['size 2'] - events['lost']:.1f} s; "
               f"join to larger step {events['size 4'] - events['joined']:.1f} s")
         assert during and 4 in sizes[:3] and 2 in sizes and sizes[-1] == 4, (during, sizes)
@@ -155,7 +155,7 @@ def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fi
             assert e.rank in on_lost, (e.rank, on_lost)
             print(f"RankError naming rank {e.rank} after {time.monotonic() - lost:.1f} s")
         dm.restart()
-        assert dm.num_workers == 2 and len(raydist.status()) == 2 and dm._restored_live
+        assert dm.num_workers == 2 and len(raydist.status()) == 2 and dm._life.went_on_live
         for x, y in data[3:]:  # AdamW's moments came over too, or these would differ
             assert_close(dm(x, y), ref.train(x, y))
         params = dm.state_dict("param")

@@ -301,7 +301,7 @@ def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_sto
             float(sent[0])
         assert info.value.during == "step 3" and dm.lr_scheduler.last_lr != ref.opt._learning_rate.last_lr
         dm.restart()
-        assert dm._restored_live and dm.lr_scheduler.last_lr == ref.opt._learning_rate.last_lr
+        assert dm._life.went_on_live and dm.lr_scheduler.last_lr == ref.opt._learning_rate.last_lr
         for x, y in data[3:]:
             assert_close(dm(x, y), ref.train(x, y))
             dm.lr_scheduler.step()
@@ -319,10 +319,10 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
     data, ref = batches(6), Reference(sgd())
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            spare_ranks=2) as dm:  # fmt: skip
-        assert len(dm._spares) == 0
+        assert len(dm._life.spares) == 0
         for x, y in data[:3]:
             assert_close(dm(x, y), ref.train(x, y))
-        spare_pids = {pid for _, pid in ray.get([a.place.remote() for a in dm._spares._actors])}
+        spare_pids = {pid for _, pid in ray.get([a.place.remote() for a in dm._life.spares._actors])}
         assert len(spare_pids) == 2 and not spare_pids & set(dm._client.group.pids)
         assert sorted(s.rank for s in raydist.status()) == [0, 1]  # spares are no ranks yet
         pids = list(dm._client.group.pids)
@@ -332,15 +332,15 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
             float(dm(*data[3]))
         dm.restart()
         assert set(dm._client.group.pids) == spare_pids and dm._client.group.adopted == [0, 1]
-        assert dm._restored_live and len(dm._spares) == 0
+        assert dm._life.went_on_live and len(dm._life.spares) == 0
         for x, y in data[3:]:
             assert_close(dm(x, y), ref.train(x, y))
-        assert len(dm._spares) == 2
+        assert len(dm._life.spares) == 2
         params = dm.state_dict("param")
         ranks = raydist.status()
         assert [s.rank for s in ranks] == [0, 1] and {s.pid for s in ranks} == spare_pids
         assert len({s.group for s in ranks}) == 1  # one group, though the spares were named by the pool
-        new_spares = {pid for _, pid in ray.get([a.place.remote() for a in dm._spares._actors])}
+        new_spares = {pid for _, pid in ray.get([a.place.remote() for a in dm._life.spares._actors])}
     for name, value in ref.params().items():
         assert_close(params[name], value, what=name)
     wait_gone(list(spare_pids | new_spares))

@@ -194,7 +194,7 @@ def test_importing_raydist_imports_no_paddle_and_no_rank_code():
 
 
 def test_default_data_meshes_follow_pipeline_stages():
-    from raydist.driver.model import _data_meshes
+    from raydist.driver.modes import data_meshes as _data_meshes
     from raydist.topology import Mesh, stages
 
     dpmp = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
@@ -241,7 +241,7 @@ def test_elastic_sizes_split_the_loaders_shards_evenly():
 
 
 def test_the_survivors_state_is_assembled_only_when_they_hold_all_of_it_at_one_step():
-    from raydist.driver import state as driver_state
+    from raydist.driver import recovery as driver_state
 
     names = {"w", "b", "w_beta1_pow_acc_0", "b_beta1_pow_acc_0"}
 

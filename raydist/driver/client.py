@@ -24,7 +24,8 @@ import numpy as np
 
 from ..messages import Parcel, StepMessage
 from ..topology import REDUCTIONS
-from .group import RankGroup, call_on
+from .actors import call_on
+from .group import RankGroup
 from .steps import Step, Window
 from .transport import TREE_FROM, open_transport
 from .watch import Watch

@@ -16,8 +16,11 @@ a run that lost a rank ends where an undisturbed one does.
 Steps run ahead of the loop (``max_in_flight``): a step's ``on_train_batch_end``
 comes once its loss is known, without waiting for the steps after it. A
 schedule step is sent with the next step, so the next step uses it, as in one
-process. The loop uses the model's public API (calls, ``evaluate``, ``save``,
-``restart``, ``lr_scheduler``).
+process. An elastic model grows at the first step boundary after room for a
+larger size shows (`raydist.driver.lifecycle.RoomWatch`). The loop is a client
+of public methods only: the model's (calls, ``evaluate``, ``save``,
+``lr_scheduler``), its `Lifecycle`'s (``restart``, ``can_grow``, ``resize``) and
+its `LearningRate`'s (``now``, ``set``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import collections
 import dataclasses
 import logging
 import posixpath
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,16 +39,17 @@ from ..errors import RankError
 
 if TYPE_CHECKING:
     from ..data import ShardDataloader
+    from .lifecycle import Lifecycle
     from .model import DistModel
+    from .rates import LearningRate
 
 log = logging.getLogger("raydist")
-
-# How often fit asks whether an elastic model below its largest size has room to grow.
-GROW_CHECK_S = 2.0
 
 
 def fit(
     dm: "DistModel",
+    life: "Lifecycle",
+    rates: "LearningRate",
     loader: "ShardDataloader",
     epochs: int = 1,
     steps: int | None = None,
@@ -69,7 +72,7 @@ def fit(
     total = len(loader) * epochs if steps is None else min(steps, len(loader) * epochs)
     if dm.mode != "train":
         dm.train()
-    run = _Run(dm, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every)
+    run = _Run(dm, life, rates, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every)
     run.callbacks = _callbacks(callbacks, run, loader, epochs, total)
     if max_failures:
         run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
@@ -89,8 +92,7 @@ def fit(
                     raise
                 log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
                 run.keep_completed()
-                dm.restart()
-                if dm._restored_live:
+                if life.restart():
                     run.go_on()
                 else:
                     run.rewind()
@@ -111,8 +113,9 @@ class _Sent:
 
 
 class _Run:
-    def __init__(self, dm, loader, epochs, total, every, directory, eval_loader, eval_every):
-        self.dm, self.loader, self.epochs, self.total = dm, loader, epochs, total
+    def __init__(self, dm, life, rates, loader, epochs, total, every, directory, eval_loader, eval_every):
+        self.dm, self.life, self.rates = dm, life, rates
+        self.loader, self.epochs, self.total = loader, epochs, total
         self.every, self.directory = every, directory
         self.eval_loader, self.eval_every = eval_loader, eval_every
         self.history: list[float] = []
@@ -121,7 +124,6 @@ class _Run:
         self.begun = -1  # the last epoch whose on_epoch_begin was called
         self.ended = -1  # the last epoch whose end (evaluation, schedule, callbacks) was done
         self.pending: collections.deque[_Sent] = collections.deque()  # sent, loss not yet collected
-        self.grow_checked = time.monotonic()
         self.bar = None
         self.callbacks = None
         self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
@@ -142,7 +144,7 @@ class _Run:
                 if step > first:
                     self._grow(pending, epoch, step)
                 self.callbacks.on_batch_begin("train", step, {})
-                lr = self.dm._learning_rate_now()
+                lr = self.rates.now()
                 pending.append(_Sent(self.dm(*(batch.values() if isinstance(batch, dict) else batch)), epoch, step, lr))
                 if self.by_step and self.dm.lr_scheduler is not None:
                     self.dm.lr_scheduler.step()  # travels with the next step
@@ -166,18 +168,15 @@ class _Run:
                 return
 
     def _grow(self, pending: collections.deque, epoch: int, step: int) -> None:
-        """Every GROW_CHECK_S, at a step boundary: move an elastic model to a larger group
-        if the cluster has room for one now, and go on from ``step``."""
-        if time.monotonic() - self.grow_checked < GROW_CHECK_S:
-            return
-        self.grow_checked = time.monotonic()
-        size = self.dm._can_grow()
+        """At a step boundary: move an elastic model to a larger group once the cluster has shown
+        room for one, and go on from ``step``."""
+        size = self.life.can_grow()
         if size is None:
             return
         self._collect(pending, wait=True)
         log.warning("raydist: room for %d ranks; growing from %d at step %d", size, self.dm.num_workers,
                     len(self.history))
-        self.dm._resize(size)
+        self.life.resize(size)
         self.position = (epoch, step)
         raise _Regrouped
 
@@ -256,7 +255,7 @@ class _CallbackModel:
 
     def __init__(self, run: _Run):
         self._run = run
-        self._optimizer = _OptimizerView(run.dm)
+        self._optimizer = _OptimizerView(run.dm, run.rates)
 
     @property
     def stop_training(self) -> bool:
@@ -273,17 +272,16 @@ class _CallbackModel:
 class _OptimizerView:
     """``model._optimizer`` for callbacks: its learning rate is the ranks'."""
 
-    def __init__(self, dm: "DistModel"):
-        self._dm = dm
+    def __init__(self, dm: "DistModel", rates: "LearningRate"):
+        self._dm, self._rates = dm, rates
 
     @property
     def _learning_rate(self):
-        dm = self._dm
-        return dm.lr_scheduler if dm.lr_scheduler is not None else dm._learning_rate_now()
+        return self._rates.scheduler if self._rates.scheduler is not None else self._rates.now()
 
     @_learning_rate.setter
     def _learning_rate(self, value: float) -> None:  # ReduceLROnPlateau
-        self._dm._set_learning_rate(value)
+        self._rates.set(value)
 
     def get_lr(self) -> float:
-        return self._dm._learning_rate_now()
+        return self._rates.now()

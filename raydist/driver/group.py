@@ -1,4 +1,4 @@
-"""The rank group: placement group, one actor per rank, rendezvous, failure, teardown.
+"""The rank group: its placement, one actor per rank, the rendezvous, its failure, its teardown.
 
 Ranks are ordered by node (the driver's node first), then by bundle. A rank
 that raises or dies ends the whole group: every actor is killed (peers
@@ -10,13 +10,10 @@ fail with, becomes a result or an error at the driver.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
-import re
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import (
@@ -29,8 +26,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..env import RankPlace, paddle_env
 from ..messages import Progress
-from ..errors import GroupShutdownError, RankError, RankFailed, RankRefused, UsageError
-from ..protocol import Member, RankActor
+from ..errors import GroupShutdownError, RankError, RankFailed, UsageError
+from ..protocol import RankActor
+from .actors import GroupConfig, ping_all, start_actor
+from .failures import rank_error, refused, steps_failed
 from .placement import wait_placed
 
 if TYPE_CHECKING:
@@ -42,91 +41,6 @@ log = logging.getLogger("raydist")
 DEATH_GRACE_S = 2.0
 # After one rank refuses a call (UsageError), how long the others have to refuse it too.
 REFUSAL_GRACE_S = 10.0
-
-
-@dataclasses.dataclass
-class GroupConfig:
-    """How to start the ranks.
-
-    Attributes:
-        num_workers: number of ranks, one Ray actor each.
-        use_gpu: one GPU per rank and NCCL; otherwise CPU and gloo.
-        resources_per_rank: Ray resources of one rank's bundle; default
-            ``{"CPU": 1}``, plus ``{"GPU": 1}`` with ``use_gpu``.
-        placement_strategy: of the placement group (PACK, SPREAD, STRICT_PACK...).
-        master_port: port of Paddle's TCP store on rank 0's node; a free one
-            if None, and another free one if this one is taken.
-        placement_timeout_s: how long to wait for the cluster to place the
-            ranks (autoscaling clusters grow meanwhile); None waits forever.
-        name: prefix of the actor names (``<name>-rank-<i>``).
-        paddle_logs: show Paddle's INFO logs from the ranks (quiet by default).
-        runtime_env: Ray runtime environment of the rank actors (env_vars,
-            pip, working_dir...).
-        step_timeout_s: how long a rank waits for its loader batch (None: no limit).
-        actor_class: the actors: `RankActor` (they join Paddle's process group),
-            or another `raydist.protocol.Member` that starts its own processes
-            from `RankGroup.envs` (`raydist launch`).
-        preload: modules CPU ranks import while they start (``ray.data`` when
-            they will read a loader).
-    """
-
-    num_workers: int
-    use_gpu: bool = False
-    resources_per_rank: dict[str, float] | None = None
-    placement_strategy: str = "PACK"
-    master_port: int | None = None
-    placement_timeout_s: float | None = 300.0
-    name: str | None = None
-    paddle_logs: bool = False
-    runtime_env: dict | None = None
-    step_timeout_s: float | None = None
-    actor_class: type[Member] = RankActor
-    preload: tuple[str, ...] = ()
-
-    def bundle(self) -> dict[str, float]:
-        if self.resources_per_rank is not None:
-            return dict(self.resources_per_rank)
-        return {"CPU": 1.0, "GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
-
-
-@functools.cache
-def _remote(actor_class: type[Member]):
-    """``actor_class`` as a Ray actor class (with its concurrency groups)."""
-    return ray.remote(concurrency_groups=actor_class.concurrency_groups)(actor_class)
-
-
-def start_actor(cfg: GroupConfig, name: str, rank: int, world_size: int, scheduling_strategy: Any = None):
-    """One actor of ``cfg.actor_class`` holding one rank's resources; CPU rank actors start
-    importing Paddle at once (GPU ones once their devices are known)."""
-    res = cfg.bundle()
-    actor = _remote(cfg.actor_class).options(
-        name=name,
-        num_cpus=res.get("CPU", 0),
-        num_gpus=res.get("GPU", 0),
-        resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
-        scheduling_strategy=scheduling_strategy,
-        runtime_env=cfg.runtime_env,
-    ).remote(rank, world_size)
-    if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:
-        actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)
-    return actor
-
-
-def ping_all(actors: Sequence, timeout: float) -> list:
-    """Each actor's `Member.ping` answer within ``timeout``: its value, the `RayActorError` of a
-    dead actor, or `NO_ANSWER`."""
-    pings = [a.ping.remote() for a in actors]
-    ready = set(ray.wait(pings, num_returns=len(pings), timeout=timeout)[0])
-    answers = []
-    for ref in pings:
-        try:
-            answers.append(ray.get(ref) if ref in ready else NO_ANSWER)
-        except ray.exceptions.RayActorError as e:
-            answers.append(e)
-    return answers
-
-
-NO_ANSWER = object()
 
 
 class RankGroup:
@@ -285,11 +199,11 @@ class RankGroup:
         except RankError:
             raise
         except Exception as e:
-            if _refused(e):
+            if refused(e):
                 refusal = self._refusal(refs)
                 if refusal is not None:
                     raise refusal from None
-            broke_off = _steps_failed(refs) if steps is not None and len(steps) > 1 else []
+            broke_off = steps_failed(refs) if steps is not None and len(steps) > 1 else []
             raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1, steps, broke_off) from e
 
     def _refusal(self, refs: Sequence) -> UsageError | None:
@@ -302,7 +216,7 @@ class RankGroup:
             try:
                 ray.get(ref)
             except Exception as e:  # noqa: BLE001 - sorted just below
-                if _refused(e):
+                if refused(e):
                     refusals.append(e.cause)
                     continue
             return None  # this rank succeeded, or failed otherwise: the ranks disagree
@@ -339,7 +253,7 @@ class RankGroup:
         elif self.rank_of(e) >= 0:
             rank = self.rank_of(e)
         self.shutdown()
-        return _rank_error(e, rank, during)
+        return rank_error(e, rank, during)
 
     def _dead_rank(self, timeout: float = DEATH_GRACE_S) -> tuple[int, Exception, list[int]] | None:
         """A dead rank, its death, and the numbers of the steps the live ranks run; None if none died."""
@@ -395,47 +309,3 @@ class RankGroup:
             self._pg = None
         for callback in callbacks:
             callback()
-
-
-def _steps_failed(refs: Sequence, wait_s: float = 0.2) -> list[int]:
-    """The steps that the ranks of ``refs`` (a message's) said they failed in, within ``wait_s``."""
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
-    found = []
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except Exception as e:  # noqa: BLE001 - only the step is wanted
-            step = getattr(getattr(e, "cause", None), "step", None)
-            if step is not None:
-                found.append(step)
-    return found
-
-
-def _refused(e: BaseException) -> bool:
-    return isinstance(getattr(e, "cause", None), RankRefused)
-
-
-def _rank_error(e: BaseException, rank: int, during: str) -> RankError:
-    if isinstance(e, ray.exceptions.RayActorError):
-        return RankError(rank, str(e).strip() or type(e).__name__, died=True, during=during)
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, RankFailed):
-        return RankError(cause.rank, cause.traceback, during=during if cause.step is None else f"step {cause.step}")
-    if isinstance(e, ray.exceptions.RayTaskError):
-        return RankError(rank, _task_traceback(e), during=during)
-    return RankError(rank, f"{type(e).__name__}: {e}", during=during)
-
-
-def _task_traceback(e: ray.exceptions.RayTaskError) -> str:
-    """The rank's traceback, as Python prints one (Ray's text, without colour codes)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", getattr(e, "traceback_str", None) or str(e)).strip()
-    header, _, frames = text.partition("\n")
-    if not header.startswith("ray::"):
-        return text
-    return f"{frames}" if frames.startswith("Traceback") else f"Traceback (most recent call last):\n{frames}"
-
-
-def call_on(actors: list, method, *args: Any) -> list:
-    """``method`` (an actor class's function, e.g. ``RankActor.state_meta``) called on every actor: refs."""
-    name = method.__name__
-    return [getattr(a, name).remote(*args) for a in actors]

@@ -57,6 +57,10 @@ class RankScheduler(LRScheduler):
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._replica, name, value)
 
+    def _rebind(self, replica: LRScheduler, send: Callable[[LrChange], None]) -> None:
+        """Stand for a new group's schedulers (after a restart): the user keeps the same handle."""
+        self.__dict__.update(_replica=replica, _send=send)
+
     def __reduce__(self):
         raise TypeError("dm.lr_scheduler stands for the ranks' schedulers and does not pickle")
 

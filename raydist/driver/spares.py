@@ -20,7 +20,7 @@ import uuid
 
 import ray
 
-from .group import NO_ANSWER, GroupConfig, ping_all, start_actor
+from .actors import NO_ANSWER, GroupConfig, ping_all, start_actor
 
 log = logging.getLogger("raydist")
 

@@ -244,8 +244,8 @@ class Window:
 class _Deferral:
     """Ctrl-C held back in the main thread while the window's books are changed.
 
-    Swapping SIGINT's handler around every send cost about 30 µs a step, so the
-    first use puts `_on_sigint` in place of Python's default handler for good:
+    Swapping SIGINT's handler around every send would cost two signal calls a
+    step, so the first use puts `_on_sigint` in place of Python's default handler for good:
     it raises KeyboardInterrupt as the default one does, except inside
     `interrupts_deferred`, where it notes the interrupt for the block's end. A
     handler of the program's own is left alone (and nothing is deferred).

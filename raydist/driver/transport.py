@@ -8,8 +8,8 @@ switch), so it is serialized once:
   when it is not small. The default on CPUs, and the fallback when a graph
   cannot be compiled.
 - `CompiledTransport`: a Ray Compiled Graph, ``RankActor.run`` on every rank
-  fed from one input channel: about a quarter of the driver's CPU per step of
-  actor calls (BENCHMARKS.md). Its channels busy-wait: the driver waiting for
+  fed from one input channel: one write per message instead of an actor call
+  per rank. Its channels busy-wait: the driver waiting for
   a step and every rank waiting for its next one each keep a core at 100 %,
   which on CPU ranks that need every core slows compute-bound steps. The
   default with GPUs. Ray documents the graph as not thread-safe, and a read

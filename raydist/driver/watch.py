@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from ..messages import Progress
-from .group import NO_ANSWER, ping_all
+from .actors import NO_ANSWER, ping_all
 
 if TYPE_CHECKING:
     from .group import RankGroup

@@ -28,7 +28,8 @@ from collections.abc import Iterator, Sequence
 import ray
 
 from ..driver.connect import init_ray
-from ..driver.group import GroupConfig, RankGroup
+from ..driver.actors import GroupConfig
+from ..driver.group import RankGroup
 from ..env import QUIET_GLOG_LEVEL
 from ..protocol import Member
 

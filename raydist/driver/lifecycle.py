@@ -1,0 +1,251 @@
+"""Which group of ranks is live: its start, restart after a failure, resize, and shutdown.
+
+One `Lifecycle` per model owns the live `raydist.driver.group.RankGroup` (through
+its `raydist.driver.client.RankClient`), the spare ranks, and the decisions that
+replace the group: a restart after a failure, a move to another size (elastic
+models), a shutdown. Every new group builds the model, then the other parts of
+the model are told (`Modes.started`, `LearningRate.started`, the state's client,
+`Recovery.started`) and given back what the old group held: the survivors'
+state after a death (`raydist.driver.recovery`), the live state on a resize, or
+the last checkpoint.
+
+An elastic model's room to grow is watched by a thread of its own (`RoomWatch`),
+so a step boundary learns of a joined node by reading a flag, without asking
+the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ..protocol import RankActor
+from .client import RankClient
+from .elastic import Sizes, size_now
+from .actors import GroupConfig
+from .group import RankGroup
+from .placement import placeable_now
+from .recovery import Recovery
+from .spares import SparePool
+
+if TYPE_CHECKING:
+    from .modes import Modes
+    from .rates import LearningRate
+    from .state import ModelState
+
+log = logging.getLogger("raydist")
+
+GROW_PLACEMENT_S = 30.0  # how long growing waits for the room it saw before settling for what fits
+ROOM_POLL_S = 1.0  # how often an elastic model below its largest size looks for room to grow
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """How steps travel to a group (see `raydist.DistModel`): messages in flight, steps per message, path."""
+
+    max_in_flight: int
+    steps_per_message: int | str
+    dispatch: str
+
+
+class Lifecycle:
+    """The live group of ranks of one model, and everything that replaces it.
+
+    ``payload``: the pickled builders every new group builds the model from;
+    ``modes``, ``rates``, ``state``: the model's parts that a new group resets and restores.
+    """
+
+    def __init__(self, config: GroupConfig, sizes: Sizes, payload: bytes, dispatch: Dispatch, spare_ranks: int,
+                 modes: Modes, rates: LearningRate, state: ModelState):  # fmt: skip
+        self.config = config
+        self.sizes = sizes
+        self.payload = payload
+        self.dispatch = dispatch
+        self.modes, self.rates, self.state = modes, rates, state
+        self.recovery = Recovery()
+        self.spares = SparePool(config, spare_ranks)
+        self.went_on_live = False  # whether the last restart went on from the survivors' state
+        self.client: RankClient | None = None
+        self._room: RoomWatch | None = None
+        self._stop_spares = weakref.finalize(self, _on_a_thread(self.spares.shutdown))
+        self._finalizer: weakref.finalize | None = None
+
+    # -- starting --------------------------------------------------------------------
+
+    def start(self, first_step: int = 0, size: int | None = None, freed: int = 0,
+              placement_timeout_s: float | None = None) -> None:  # fmt: skip
+        """A new group of ``size`` ranks (or the largest accepted size the cluster holds now; ``freed``:
+        ranks a group just let go of), spare ranks first; the model built on it, the parts told."""
+        spares = self.spares.take(size or self.sizes.max)
+        if size is None:
+            size = size_now(self.sizes, self.config.bundle(), freed, held=len(spares))
+        spares, extra = spares[:size], spares[size:]
+        self.spares.give_back(extra)
+        self.config = dataclasses.replace(self.config, num_workers=size)
+        config = self.config
+        if placement_timeout_s is not None:
+            config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
+        group = RankGroup(config, spares)
+        group.on_death(_weakly(self._salvage))
+        d = self.dispatch
+        client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
+                            step_timeout=config.step_timeout_s, first_step=first_step,
+                            steps_per_message=d.steps_per_message)  # fmt: skip
+        self.client = client
+        self._finalizer = weakref.finalize(self, _on_a_thread(client.close))
+        try:
+            report = client.call(RankActor.build, ray.put(self.payload))[0]
+        except BaseException:
+            client.close()
+            raise
+        self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
+        self.modes.started(client, report.meshes)
+        self.rates.started(report.learning_rate)
+        self.state.client = client
+        self.modes.resume()
+        client.after_first_step(self.spares.fill)  # spares' Paddle import would slow the start
+        self._watch_room()
+
+    # -- replacing the group -----------------------------------------------------------
+
+    def restart(self) -> bool:
+        """A fresh group (after a failure), with the newest state there is; whether that was the
+        survivors' (else the last checkpoint's, or the initial parameters). See `raydist.DistModel.restart`."""
+        salvaged = self.recovery.take()
+        first_step = self.client.window.submitted
+        freed = self.client.group.live_bundles()
+        self.close()
+        self.start(first_step, freed=freed)
+        self.went_on_live = salvaged is not None
+        if salvaged is not None:
+            state, rate, trained = salvaged
+            self._put_back(state, rate)
+            log.warning("raydist: went on from the state the surviving ranks held after %d train steps "
+                        "(no checkpoint read)", trained)  # fmt: skip
+        elif self.state.last_checkpoint is not None:
+            self.state.load(self.state.last_checkpoint, self.modes.built("train"))
+        return self.went_on_live
+
+    def can_grow(self) -> int | None:
+        """A larger accepted size the cluster had room for when last looked at (every `ROOM_POLL_S`), if any."""
+        return self._room.size if self._room is not None else None
+
+    def resize(self, size: int) -> None:
+        """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
+        object store: no checkpoint is written); at a step boundary only."""
+        state = self.state.state_dict("all" if self.modes.built("train") else "param")
+        rate = self.rates.position()
+        first_step = self.client.window.submitted
+        freed = self.client.group.live_bundles()
+        self._stop_watching_room()
+        self._finalizer.detach()
+        self.client.close(drain=True)
+        try:  # the room seen a moment ago may be gone (taken by another job, a node lost again)
+            self.start(first_step, size=size, freed=freed, placement_timeout_s=GROW_PLACEMENT_S)
+        except TimeoutError:
+            log.warning("raydist: no room for %d ranks after all; going on at the size that fits", size)
+            self.start(first_step)
+        self._put_back(state, rate)
+
+    def _salvage(self, group: RankGroup) -> None:
+        """A rank of ``group`` died: keep what its survivors hold, for `restart`."""
+        if self.client is None or group is not self.client.group or not self.modes.built("train"):
+            return
+        self.recovery.salvage(group, self.state.names, self.client.window.oldest, self.rates.position())
+
+    def _put_back(self, state: dict, rate: Any) -> None:
+        """Give the new group the state and learning rate of the one before."""
+        if not self.modes.built("train") and not set(state) <= set(self.state.meta()):
+            self.modes.build("train")  # the optimizer's state lives in the train program
+        self.state.set_state_dict(state)
+        self.rates.go_to(rate)
+
+    # -- room to grow --------------------------------------------------------------------
+
+    def _watch_room(self) -> None:
+        if self.sizes.elastic and self.client.size < self.sizes.max:
+            self._room = RoomWatch(self.sizes, self.client.size, self.config.bundle())
+
+    def _stop_watching_room(self) -> None:
+        room, self._room = self._room, None
+        if room is not None:
+            room.stop()
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the ranks now, without completing the steps in flight."""
+        self._stop_watching_room()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self.client is not None:
+            self.client.close()
+
+    def shutdown(self, drain: bool = True) -> None:
+        """Stop every rank (after the steps in flight, if ``drain``) and the spares. Idempotent."""
+        self._stop_watching_room()
+        try:
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            if self.client is not None:
+                self.client.close(drain=drain)
+        finally:
+            self._stop_spares.detach()
+            self.spares.shutdown()
+
+
+class RoomWatch:
+    """A thread that looks, every `ROOM_POLL_S`, whether the cluster has room for a larger accepted
+    size than ``size``; `size` is that size once it has (None before)."""
+
+    def __init__(self, sizes: Sizes, size: int, bundle: dict[str, float]):
+        self.size: int | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._look, args=(sizes, size, bundle), name="raydist-room",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _look(self, sizes: Sizes, size: int, bundle: dict[str, float]) -> None:
+        while not self._stopped.wait(ROOM_POLL_S):
+            try:
+                larger = sizes.larger(size, placeable_now(bundle))
+            except Exception:  # noqa: BLE001 - Ray is shutting down, say: look again, or stop
+                continue
+            if larger is not None:
+                self.size = larger
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method`` of an object, called only while the object lives (no reference cycle through it)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
+def _on_a_thread(stop: Callable[[], None]) -> Callable[[], None]:
+    """``stop`` for a finalizer, run on a thread of its own: a model dropped without shutdown() is
+    finalized when the garbage collector runs, which can be inside one of Ray's own calls (seen:
+    while ``ray.get`` deserialized a result), and killing actors from there deadlocks in Ray."""
+
+    def start() -> None:
+        try:
+            threading.Thread(target=stop, name="raydist-stop", daemon=True).start()
+        except RuntimeError:  # the interpreter is exiting: no new threads, and no Ray call is under way
+            stop()
+
+    return start
