@@ -1,12 +1,13 @@
 """Benchmarks: raydist next to plain multi-process Paddle, in ONE invocation.
 
-    python -m bench [--models mlp-mp2,...] [--runners native,loader,batches,compiled] [--steps 60]
-                    [--warmup 10] [--repeat N]
+    python -m bench [models] [--models mlp-mp2,...] [--runners native,loader,batches,compiled] [--steps 60]
+                    [--warmup 10] [--repeat N] [--dispatch auto]
     python -m bench dispatch [--ranks 2,4,8,16,32,64] [--steps 300] [--paths calls,tree,...]
     python -m bench restart [--models mlp-dp2xmp2] [--repeat 3]
     python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
     python -m bench pipeline [--steps 40] [--repeat 3]
     python -m bench startup [--repeat 2] [--models mlp-mp2]
+    python -m bench COMMAND --help      (each command's options and defaults; --no-write: no BENCHMARKS.md entry)
 
 For each model, the same model, data and ranks under these runners, round-robin:
 - *native*: N plain processes with paddle.distributed.launch's environment,
@@ -42,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +56,10 @@ DISPATCH = ["auto"]  # raydist's dispatch for this run (--dispatch)
 def run_native(name: str, warmup: int, steps: int) -> dict:
     from bench.models import MODELS, world_size
     from raydist.env import RankPlace, paddle_env
+    from raydist.net import free_port
 
     n = world_size(name)
-    ports = [_free_port() for _ in range(n + 1)]
+    ports = [free_port("127.0.0.1") for _ in range(n + 1)]
     places = [RankPlace("local", "127.0.0.1")] * n
     endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
     start = time.time()
@@ -195,14 +198,6 @@ def _through_loader(name: str, dataset, warmup: int) -> dict:
         return _timed_steps(dm, loader(), warmup, start, lambda dm, b: dm(b["x"], b["y"]))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -269,23 +264,95 @@ def models_table(args) -> str:
     return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
 
 
+COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup")
+
+
+def _names(known: list[str]) -> Callable[[str], str]:
+    """An argparse type: a comma-separated list of names among ``known``, kept as the string."""
+
+    def check(text: str) -> str:
+        unknown = [n for n in text.split(",") if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown: {', '.join(unknown)} (known: {', '.join(known)})")
+        return text
+
+    return check
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}") from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"group sizes must be positive: {text!r}")
+    return sizes
+
+
+def parser() -> argparse.ArgumentParser:
+    """``python -m bench [COMMAND] [options]``: one subcommand per table; ``models`` when none is named."""
+    top = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                                  epilog="Without a COMMAND, the options are models': python -m bench --repeat 3 is "
+                                         "python -m bench models --repeat 3. python -m bench COMMAND --help: "
+                                         "its options and defaults.")  # fmt: skip
+    commands = top.add_subparsers(dest="what", metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=text, description=text,
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+        sub.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
+        return sub
+
+    def dispatch_option(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--dispatch", default="auto", choices=["auto", "compiled", "calls", "tree"],
+                         help="raydist's dispatch")  # fmt: skip
+
+    sub = command("models", "raydist next to native Paddle: each model under each runner (the default command)")
+    sub.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2", help="bench/models.py's, comma-separated")
+    sub.add_argument("--runners", default="native,loader,batches", type=_names(list(RUNNERS)), help="comma-separated")
+    sub.add_argument("--steps", type=int, default=60, help="timed steps")
+    sub.add_argument("--warmup", type=int, default=10, help="steps before the timed ones")
+    sub.add_argument("--repeat", type=int, default=1, help="runs of each runner, round-robin (medians)")
+    dispatch_option(sub)
+    sub = command("dispatch", "the driver's cost per step as the group grows, next to Ray's own (bench/dispatch.py)")
+    sub.add_argument("--ranks", default="2,4,8,16,32,64", type=_sizes, help="group sizes, comma-separated")
+    sub.add_argument("--steps", type=int, default=300, help="timed steps")
+    sub.add_argument("--warmup", type=int, default=10, help="steps before the timed ones")
+    sub.add_argument("--repeat", type=int, default=3, help="rounds (medians)")
+    sub.add_argument("--paths", default="ray-calls,calls,tree,ray-compiled,compiled",
+                     help="the paths to measure, comma-separated (bench/dispatch.py's PATHS)")  # fmt: skip
+    sub = command("restart", "a killed rank's cost until the next step, with and without spare ranks (bench/restart.py)")
+    sub.add_argument("--models", default="mlp-dp2xmp2", help="comma-separated")
+    sub.add_argument("--repeat", type=int, default=3, help="kills of each kind (medians)")
+    dispatch_option(sub)
+    sub = command("elastic", "what a lost or joining node costs, on clusters of its own (bench/elastic.py)")
+    sub.add_argument("--models", default="mlp-dp2xmp2,gpt-dp2xmp2", help="comma-separated")
+    sub.add_argument("--steps", type=int, default=24, help="steps per run")
+    sub.add_argument("--repeat", type=int, default=1, help="runs of each kind (medians)")
+    sub = command("pipeline", "the bench GPT on two pipeline stages next to dp2 and mp2 (bench/pipeline.py)")
+    sub.add_argument("--steps", type=int, default=40, help="timed steps")
+    sub.add_argument("--warmup", type=int, default=10, help="steps before the timed ones")
+    sub.add_argument("--repeat", type=int, default=1, help="runs of each (medians)")
+    dispatch_option(sub)
+    sub = command("startup", "where a model's start goes (bench/startup.py)")
+    sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
+    sub.add_argument("--repeat", type=int, default=2, help="models started one after another")
+    return top
+
+
+def parse(argv) -> argparse.Namespace:
+    """The options of ``python -m bench`` + ``argv``; no COMMAND (options only, or none) is ``models``."""
+    argv = list(argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["models", *argv]
+    return parser().parse_args(argv)
+
+
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="models",
-                        choices=["models", "dispatch", "elastic", "pipeline", "startup", "restart"])
-    parser.add_argument("--models", default="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2")
-    parser.add_argument("--runners", default="native,loader,batches")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 60; dispatch: 300)")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each runner, round-robin (medians)")
-    parser.add_argument("--ranks", default="2,4,8,16,32,64", help="dispatch: group sizes")
-    parser.add_argument("--dispatch", default="auto", choices=["auto", "compiled", "calls", "tree"])
-    parser.add_argument("--paths", default="ray-calls,calls,tree,ray-compiled,compiled",
-                        help="dispatch: the paths to measure")
-    parser.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
-    args = parser.parse_args(argv)
-    DISPATCH[0] = args.dispatch
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    DISPATCH[0] = getattr(args, "dispatch", "auto")
 
     import ray
 
@@ -293,9 +360,7 @@ def main(argv=None) -> None:
     if args.what == "elastic":  # clusters of its own
         from bench.elastic import elastic_table
 
-        args.steps = args.steps or 24
-        models = args.models if "--models" in " ".join(argv) else "mlp-dp2xmp2,gpt-dp2xmp2"
-        table = elastic_table(models.split(","), args.steps, args.repeat)
+        table = elastic_table(args.models.split(","), args.steps, args.repeat)
         _write(args, argv, table)
         return
     ray.init(num_cpus=max(32, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
@@ -303,27 +368,20 @@ def main(argv=None) -> None:
         if args.what == "dispatch":
             from bench.dispatch import dispatch_table
 
-            args.steps = args.steps or 300
-            repeat = args.repeat if "--repeat" in argv else 3
-            table = dispatch_table([int(n) for n in args.ranks.split(",")], args.steps, args.warmup, repeat,
-                                   args.paths.split(","))  # fmt: skip
+            table = dispatch_table(args.ranks, args.steps, args.warmup, args.repeat, args.paths.split(","))
         elif args.what == "restart":
             from bench.restart import restart_table
 
-            models = args.models if "--models" in " ".join(argv) else "mlp-dp2xmp2"
-            table = restart_table(models.split(","), args.repeat if "--repeat" in argv else 3)
+            table = restart_table(args.models.split(","), args.repeat)
         elif args.what == "startup":
             from bench.startup import startup_table
 
-            name = args.models if "--models" in " ".join(argv) else "mlp-mp2"
-            table = "\n\n".join(startup_table(args.repeat if "--repeat" in argv else 2, n) for n in name.split(","))
+            table = "\n\n".join(startup_table(args.repeat, n) for n in args.models.split(","))
         elif args.what == "pipeline":
             from bench.pipeline import pipeline_table
 
-            args.steps = args.steps or 40
             table = pipeline_table(args.steps, args.warmup, args.repeat)
         else:
-            args.steps = args.steps or 60
             table = models_table(args)
     finally:
         ray.shutdown()
@@ -339,8 +397,9 @@ def _write(args, argv, table: str) -> None:
                      else "models started one after another" if args.what == "startup"
                      else "kill to next step, medians" if args.what == "restart"
                      else f"{args.steps} timed steps after {args.warmup} warm-up steps")
-            f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {steps}; "
-                    f"dispatch {args.dispatch}.\n\n{table}\n")  # fmt: skip
+            dispatch = f"; dispatch {args.dispatch}" if hasattr(args, "dispatch") else ""
+            f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {steps}{dispatch}."
+                    f"\n\n{table}\n")  # fmt: skip
 
 
 if __name__ == "__main__":

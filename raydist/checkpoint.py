@@ -21,9 +21,10 @@ from __future__ import annotations
 import io
 import json
 import posixpath
-import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import quote, unquote
 
 import numpy as np
 from pyarrow import fs as pafs
@@ -118,7 +119,8 @@ def manifest(meta: dict, files: dict[str, dict[int, str]], **info: Any) -> dict[
                "files": {str(r): f for r, f in files[name].items()}}  # fmt: skip
         for name, (shape, dtype, layout) in meta.items()
     }
-    return {"format": FORMAT, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **info, "tensors": tensors}
+    saved_at = datetime.now(timezone.utc).isoformat(timespec="seconds")  # e.g. 2025-01-31T09:30:00+00:00
+    return {"format": FORMAT, "saved_at": saved_at, **info, "tensors": tensors}
 
 
 def writers(meta: dict, holders: dict[str, list[int]]) -> dict[int, list[str]]:
@@ -169,8 +171,11 @@ def _plain(value: Any) -> Any:
 
 
 def _key(name: str) -> str:
-    return name.replace("/", "\\x2f")  # npz member names are paths
+    """A tensor's name as an npz member name, which is a path: percent-encoded, "/" included."""
+    return quote(name, safe="")
 
 
 def _name(key: str) -> str:
-    return key.replace("\\x2f", "/")
+    if "\\x2f" in key:  # written before percent-encoding, which never writes a backslash: "/" was "\x2f"
+        return key.replace("\\x2f", "/")
+    return unquote(key)

@@ -22,6 +22,7 @@ class RankPlace:
     node_id: str
     node_ip: str
     gpu_ids: tuple[str, ...] = ()  # what Ray assigned this actor (ray.get_gpu_ids())
+    actor_id: str = ""  # the actor's id (hex), as Ray's errors name it
 
 
 def paddle_env(

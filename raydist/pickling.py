@@ -11,9 +11,12 @@ travels as its ids and dim names.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
+import site
 import sys
+import sysconfig
 import types
 from typing import Any
 
@@ -70,10 +73,21 @@ def _by_value(module: types.ModuleType) -> bool:
 
 
 def _is_local(module: types.ModuleType) -> bool:
-    """A module of the user's own (not installed), which remote workers may not import."""
+    """A module of the user's own (not installed, not the standard library), which remote workers may not import."""
     path = getattr(module, "__file__", None)
-    if path is None or module.__name__ == "__main__" or module.__name__.split(".")[0] in ("raydist", "paddle"):
+    top = module.__name__.partition(".")[0]
+    if path is None or module.__name__ == "__main__" or top in ("raydist", "paddle") or top in sys.stdlib_module_names:
         return False
-    installed = {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-    installed.add(os.path.dirname(os.__file__))
-    return not any(os.path.abspath(path).startswith(os.path.abspath(p) + os.sep) for p in installed)
+    path = os.path.realpath(path)
+    return not any(path.startswith(d + os.sep) for d in _installed_dirs())
+
+
+@functools.cache
+def _installed_dirs() -> tuple[str, ...]:
+    """Where installed packages and the standard library live: this interpreter's install scheme
+    (``sysconfig``: a venv's own when in one), the site directories, the user's site directory."""
+    paths = sysconfig.get_paths()
+    dirs = [paths[k] for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths]
+    dirs += getattr(site, "getsitepackages", list)()  # not in old virtualenvs' site.py
+    dirs.append(site.getusersitepackages())
+    return tuple(sorted({os.path.realpath(d) for d in dirs if d}))

@@ -2,9 +2,10 @@
 
 Both sides import this module: the driver to start the actors and to name
 their methods (``client.call(RankActor.state_meta, "param")``), the ranks to
-run them. The bodies are one line each and delegate to the rank's services
-in `raydist.worker`, which are imported inside the rank process only, when
-it joins the process group (Paddle reads its environment at import).
+run them. Each body delegates, in a line, to the rank's services in
+`raydist.worker` (`setup` makes them): the model, its data, the relay tree.
+They are imported inside the rank process only, when it joins the process
+group (Paddle reads its environment at import).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ray
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
 from .messages import BuildReport, Parcel, Progress, RankAnswers, ReadOrder, StepResults
+from .net import free_port
 from .topology import ModePlan
 
 if TYPE_CHECKING:
@@ -46,13 +48,8 @@ def reports_rank(method):
 def here() -> RankPlace:
     """Where this Ray worker runs: its node, IP, and the GPUs Ray gave it."""
     ctx = ray.get_runtime_context()
-    return RankPlace(ctx.get_node_id(), ray.util.get_node_ip_address(), tuple(str(g) for g in ray.get_gpu_ids()))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return RankPlace(ctx.get_node_id(), ray.util.get_node_ip_address(), tuple(str(g) for g in ray.get_gpu_ids()),
+                     ctx.get_actor_id() or "")  # fmt: skip
 
 
 # Concurrency groups of the actors (besides Ray's default one, where the calls

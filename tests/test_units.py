@@ -319,3 +319,384 @@ def test_a_pipelines_micro_batch_size_holds_batches_to_it():
     with pytest.raises(ValueError, match="micro_batch_size=2 rows: set accumulate_steps to 4 or send batches of 8"):
         specs.for_call([spec_of(np.zeros((16, 3), np.float32), "x"), spec_of(np.zeros((16, 1), np.float32), "y")],
                        "train")  # fmt: skip
+
+
+def _loss(value: float):
+    """A `Loss` whose step is done with ``value`` (no window, no ranks)."""
+    from raydist.driver.steps import Loss, Step
+
+    step = Step(7, None, lambda r: r, window=None)
+    step._value, step.done = value, True
+    return Loss(step)
+
+
+@pytest.mark.parametrize("value", [2.75, -2.75, 0.5])
+def test_a_loss_is_a_real_number_every_operation_of_numbers_real_acts_as_on_its_float(value):
+    import cmath
+    import math
+    import numbers
+    import operator
+
+    from raydist.driver.steps import Loss
+
+    loss = _loss(value)
+    assert isinstance(loss, numbers.Real)
+    abstract = set(numbers.Real.__abstractmethods__) | set(numbers.Complex.__abstractmethods__)
+    concrete = {"__divmod__", "__rdivmod__", "__complex__", "real", "imag", "conjugate", "__sub__", "__rsub__", "__ne__"}
+    assert all(name in vars(Loss) for name in abstract | concrete), sorted(n for n in abstract | concrete if n not in vars(Loss))
+
+    def same(a, b):
+        assert type(a) is type(b) and (a == b or (cmath.isnan(a) and cmath.isnan(b))), (a, b)
+
+    binary = [operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+              divmod, operator.pow, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne]
+    for op in binary:
+        for other in (3, 1.5, -0.25, _loss(1.25)):
+            plain = float(other)
+            same(op(loss, other), op(value, plain))
+            same(op(other, loss), op(plain, value))
+    for op in (abs, operator.neg, operator.pos, math.trunc, math.floor, math.ceil, complex, float, int, bool, round):
+        same(op(loss), op(value))
+    same(round(loss, 1), round(value, 1))
+    same(loss.real, value.real)
+    same(loss.imag, value.imag)
+    same(loss.conjugate(), value.conjugate())
+    same(loss // 1, value // 1)  # the one that raised TypeError
+    same(hash(loss), hash(value))
+    assert math.isclose(loss, value) and np.asarray(loss) == value
+
+
+def test_the_rank_scheduler_refuses_an_attribute_set_that_would_reach_the_driver_only():
+    import types
+
+    import paddle
+
+    from raydist.driver.schedule import RankScheduler
+
+    sent = []
+    sched = RankScheduler(paddle.optimizer.lr.StepDecay(0.1, step_size=2, gamma=0.5), sent.append)
+    for name, value in (("last_epoch", 5), ("last_lr", 1.0), ("base_lr", 2.0), ("anything", 0)):
+        with pytest.raises(AttributeError, match=r"step\(.*set_state_dict\("):
+            setattr(sched, name, value)
+    with pytest.raises(AttributeError):
+        del sched.last_lr
+    assert sched.last_epoch == 0 and sched.last_lr == 0.1 and sched() == 0.1 and not sent  # nothing changed
+    sched.state_keys()  # Paddle's LRScheduler.state_keys sets `keys`: on the replica
+    # Paddle's LRScheduler callback steps `model._optimizer._learning_rate`: it goes to the ranks
+    callback = paddle.callbacks.LRScheduler(by_step=True)
+    callback.set_model(types.SimpleNamespace(_optimizer=types.SimpleNamespace(_learning_rate=sched)))
+    callback.on_train_batch_end(0)
+    callback.on_train_batch_end(1)
+    assert sched.last_epoch == 2 and sched.last_lr == 0.05 and [c.kind for c in sent] == ["step", "step"]
+    sched.set_state_dict({"last_epoch": 0, "last_lr": 0.1})
+    assert sched.last_lr == 0.1 and [c.kind for c in sent] == ["step", "step", "state"]
+
+
+def test_each_seed_and_epoch_shuffle_their_own_way_and_the_same_on_every_run():
+    """``seed + epoch`` shuffled seed 5's epoch 1 as seed 6's epoch 0; both sources now seed each pair apart."""
+    import paddle
+
+    import raydist
+    from raydist.data.sources import PaddleSource, RaySource, shuffle_seed
+
+    assert shuffle_seed(5, 1) == 3796490668 and shuffle_seed(6, 0) == 3060664978  # the same on every run and rank
+    seeds = {shuffle_seed(s, e) for s in range(20) for e in range(20)}
+    assert len(seeds) == 400 and all(0 <= x < 2**32 for x in seeds)
+
+    class Shuffled(Exception):
+        pass
+
+    class Recording:  # a ray.data.Dataset's random_shuffle, recorded
+        def random_shuffle(self, seed):
+            raise Shuffled(seed)
+
+    def ray_seed(seed, epoch):
+        with pytest.raises(Shuffled) as info:
+            RaySource(Recording()).splits(2, epoch, True, seed)
+        return info.value.args[0]
+
+    assert ray_seed(5, 1) == shuffle_seed(5, 1) != ray_seed(6, 0) == shuffle_seed(6, 0)
+    assert ray_seed(None, 1) is None  # no seed: Ray Data's own random order
+
+    class Rows(paddle.io.Dataset):
+        def __getitem__(self, i):
+            return np.float32(i)
+
+        def __len__(self):
+            return 64
+
+    def paddle_order(seed, epoch, group=0):
+        source = PaddleSource.__new__(PaddleSource)
+        source.ref = "put"  # as if put in Ray's object store already
+        split = source.splits(2, epoch, True, seed)[group]
+        sampler = paddle.io.DistributedBatchSampler(Rows(), batch_size=4, num_replicas=2, rank=group, shuffle=True)
+        sampler.set_epoch(split.epoch)  # as `PaddleSplit._batches` reads
+        return [i for batch in sampler for i in batch]
+
+    assert paddle_order(5, 1) == paddle_order(5, 1) and paddle_order(5, 1, 1) == paddle_order(5, 1, 1)
+    assert paddle_order(5, 1) != paddle_order(6, 0) and paddle_order(5, 1, 1) != paddle_order(6, 0, 1)
+    assert paddle_order(5, 1) != paddle_order(5, 2)
+    assert sorted(paddle_order(5, 1) + paddle_order(5, 1, 1)) == list(range(64))
+    assert paddle_order(None, 1) == paddle_order(None, 1)  # no seed: the sampler's epoch order, as Paddle's
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="seed must be"):
+            raydist.shard_dataloader(Rows(), paddle.distributed.ProcessMesh([0, 1], dim_names=["dp"]), shard_dims="dp", batch_size=4,
+                                     seed=bad)  # fmt: skip
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (one that died but was not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launched_scripts_process_dies_with_its_multithreaded_parent_without_preexec_fn(tmp_path):
+    import inspect
+    import time
+
+    from raydist.integrations import launch
+
+    assert "preexec_fn=" not in inspect.getsource(launch) and "libc.so.6" not in inspect.getsource(launch)
+    # a parent with threads (as a Ray actor has) starts a child that would sleep for a minute, then is killed
+    parent = subprocess.Popen([sys.executable, "-c", """if True:
+        import subprocess, sys, threading, time
+        from raydist.integrations.launch import dying_with_this_process
+        for _ in range(4):
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        child = subprocess.Popen(dying_with_this_process([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]), stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "up\\n"  # the command ran, after the trampoline
+        print(child.pid, flush=True)
+        time.sleep(60)
+        """], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        child = int(parent.stdout.readline())
+        assert _running(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the child outlived its parent"
+    finally:
+        parent.kill()
+    # a trampoline whose parent is not the one it expects (it died before prctl) runs nothing
+    command = launch.dying_with_this_process([sys.executable, "-c", "print('ran')"])
+    command[command.index(str(__import__("os").getpid()))] = "1"
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "ran" not in done.stdout
+
+
+def test_the_users_own_modules_travel_by_value_and_installed_or_standard_ones_by_reference(tmp_path, monkeypatch):
+    import importlib
+    import json
+    import os
+
+    import numpy
+
+    from raydist import pickling
+
+    # a folder of the user's whose name merely ends like an installed one's (a path suffix said "installed")
+    mine = tmp_path / "my-site-packages"
+    mine.mkdir()
+    (mine / "raydist_units_helpers.py").write_text("def helper():\n    return 3\n")
+    monkeypatch.syspath_prepend(str(mine))
+    helpers = importlib.import_module("raydist_units_helpers")
+    try:
+        assert pickling._is_local(helpers)
+        assert pickling._is_local(sys.modules[__name__])  # this test module: not installed
+        for module in (json, os, numpy, pytest, subprocess):  # standard library, installed
+            assert not pickling._is_local(module), module
+        import _json
+
+        assert not pickling._is_local(_json)  # the standard library's extension modules too
+        payload = pickling.dumps(helpers.helper, "a helper")  # by value: the module is not importable elsewhere
+        sys.modules.pop("raydist_units_helpers")
+        sys.path.remove(str(mine))  # as on another node: the module cannot be imported (monkeypatch restores the path)
+        import ray.cloudpickle
+
+        assert "raydist_units_helpers" in ray.cloudpickle.list_registry_pickle_by_value()
+        assert ray.cloudpickle.loads(payload)() == 3
+    finally:
+        sys.modules.pop("raydist_units_helpers", None)
+        import ray.cloudpickle
+
+        if "raydist_units_helpers" in ray.cloudpickle.list_registry_pickle_by_value():
+            ray.cloudpickle.unregister_pickle_by_value(helpers)
+
+
+def test_checkpoint_member_names_are_percent_encoded_old_ones_still_read_and_saves_are_stamped_in_utc(tmp_path):
+    import io
+    import zipfile
+    from datetime import datetime, timedelta
+
+    from raydist import checkpoint
+
+    names = ["linear_0.w_0", "blocks/0/w", "a%2Fb", "back\\x2fslash", "grad@GRAD", "100%", "é/ü", ""]
+    pieces = {n: np.full((2,), i, np.float32) for i, n in enumerate(names)}
+    file = checkpoint.write_pieces(str(tmp_path), 3, pieces)
+    members = zipfile.ZipFile(tmp_path / file).namelist()
+    assert len(members) == len(names) and not any("/" in m or "\\" in m for m in members)
+    back = checkpoint.read_pieces(str(tmp_path), file)
+    assert sorted(back) == sorted(names)
+    for n in names:
+        np.testing.assert_array_equal(back[n], pieces[n])
+    # a checkpoint written before: "/" as the literal "\x2f"
+    buffer = io.BytesIO()
+    np.savez(buffer, **{"blocks\\x2f0\\x2fw": np.ones(2), "linear_0.w_0": np.zeros(2)})
+    (tmp_path / "rank-00000.npz").write_bytes(buffer.getvalue())
+    assert sorted(checkpoint.read_pieces(str(tmp_path), "rank-00000.npz")) == ["blocks/0/w", "linear_0.w_0"]
+    saved_at = datetime.fromisoformat(checkpoint.manifest({}, {}, step=1)["saved_at"])
+    assert saved_at.utcoffset() == timedelta(0)
+
+
+def test_co_located_ranks_take_turns_at_the_custom_ops_build_under_filelocks_lock(tmp_path, monkeypatch):
+    import ctypes
+    import hashlib
+    import inspect
+    import threading
+    import types
+
+    import filelock
+    import paddle
+    from paddle.utils.cpp_extension import extension_utils
+
+    from raydist.compat import collectives
+
+    assert "fcntl" not in inspect.getsource(collectives)
+    monkeypatch.setenv("RAYDIST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(collectives, "_loaded", False)
+    monkeypatch.setattr(collectives, "_native", None)
+    loaded = threading.Event()
+    monkeypatch.setattr(extension_utils, "load_op_meta_info_and_register_op", lambda path: loaded.set())
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: types.SimpleNamespace(raydist_p2p_waited_ns=types.SimpleNamespace()))
+    csrc = collectives._CSRC
+    digest = hashlib.sha256(b"".join((csrc / f).read_bytes() for f in ("collective.cc", "p2p.cc", "ring.h"))).hexdigest()
+    build = tmp_path / f"ops-paddle{paddle.__version__}-{digest[:12]}"
+    (build / collectives._NAME).mkdir(parents=True)
+    (build / collectives._NAME / f"{collectives._NAME}.so").touch()  # compiled already: only loaded
+    with filelock.FileLock(build / ".lock"):  # another rank on this machine holds the build
+        worker = threading.Thread(target=collectives.load_ops)
+        worker.start()
+        assert not loaded.wait(0.5)  # it waits
+    worker.join(10)
+    assert loaded.is_set() and collectives._loaded
+
+
+# every command form README.md and BENCHMARKS.md show, and what it parses to
+BENCH_FORMS = {
+    "": dict(what="models", models="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2", runners="native,loader,batches",
+             steps=60, warmup=10, repeat=1, dispatch="auto", no_write=False),
+    "--repeat 3 --runners native,loader,batches,compiled": dict(what="models", repeat=3,
+                                                                runners="native,loader,batches,compiled"),
+    "--models gpt-mp2,gpt-dp2xmp2 --runners native,loader,batches --repeat 5 --steps 40": dict(
+        what="models", models="gpt-mp2,gpt-dp2xmp2", repeat=5, steps=40),
+    "models --dispatch compiled --no-write": dict(what="models", dispatch="compiled", no_write=True),
+    "dispatch": dict(what="dispatch", ranks=[2, 4, 8, 16, 32, 64], steps=300, warmup=10, repeat=3,
+                     paths="ray-calls,calls,tree,ray-compiled,compiled"),
+    "dispatch --ranks 2,64 --paths calls,tree,tree-read --repeat 3 --steps 300": dict(
+        what="dispatch", ranks=[2, 64], paths="calls,tree,tree-read", repeat=3, steps=300),
+    "dispatch --ranks 2,32 --steps 300 --repeat 1": dict(what="dispatch", ranks=[2, 32], repeat=1),
+    "restart --repeat 3": dict(what="restart", models="mlp-dp2xmp2", repeat=3, dispatch="auto"),
+    "elastic --steps 24": dict(what="elastic", models="mlp-dp2xmp2,gpt-dp2xmp2", steps=24, repeat=1),
+    "pipeline --steps 40 --repeat 3": dict(what="pipeline", steps=40, warmup=10, repeat=3, dispatch="auto"),
+    "startup --models gpt-mp2,mlp-mp2 --repeat 2": dict(what="startup", models="gpt-mp2,mlp-mp2", repeat=2),
+}
+
+
+@pytest.mark.parametrize("form", list(BENCH_FORMS))
+def test_the_benchs_documented_command_forms_parse_to_their_subcommands_options(form):
+    from bench.run import parse
+
+    args = vars(parse(form.split()))
+    assert {k: args.get(k) for k in BENCH_FORMS[form]} == BENCH_FORMS[form]
+
+
+def test_the_command_lines_help_and_refusals():
+    from bench.run import parse
+
+    for bad in ("--runners native,nope", "dispatch --ranks 2,x", "restart --steps 3", "nope"):
+        with pytest.raises(SystemExit) as info:
+            parse(bad.split())
+        assert info.value.code == 2, bad
+    for command in ([sys.executable, "-m", "bench"], [sys.executable, "-m", "raydist"]):
+        done = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "COMMAND" in done.stdout, done.stderr
+    for sub in ("models", "dispatch", "restart", "elastic", "pipeline", "startup"):
+        done = subprocess.run([sys.executable, "-m", "bench", sub, "--help"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and f"python -m bench {sub}" in done.stdout and "--no-write" in done.stdout
+    for command in (["-m", "raydist", "launch"], ["-m", "raydist.launch"]):
+        done = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "--nproc" in done.stdout and "--paddle-logs" in done.stdout, done.stderr
+    done = subprocess.run([sys.executable, "-m", "raydist", "lunch"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "invalid choice: 'lunch'" in done.stderr
+
+
+def test_raydist_launch_passes_the_scripts_own_arguments_through(monkeypatch, tmp_path):
+    from raydist.integrations import launch
+
+    script = tmp_path / "train.py"
+    script.touch()
+    calls = []
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: calls.append((a, k)) or 0)
+    with pytest.raises(SystemExit) as info:
+        launch.cli(["launch", "-n", "3", "--gpus", "--name", "job", str(script), "-n", "5", "--gpus", "x"])
+    assert info.value.code == 0
+    assert calls[-1] == ((str(script), ["-n", "5", "--gpus", "x"], 3),
+                         dict(use_gpu=True, paddle_logs=False, name="job"))  # fmt: skip
+    assert launch.main(["-n", "2", "--paddle-logs", str(script)]) == 0
+    assert calls[-1] == ((str(script), [], 2), dict(use_gpu=False, paddle_logs=True, name=None))
+
+
+def test_ports_are_found_in_one_place():
+    import socket
+    from pathlib import Path
+
+    from raydist import protocol
+    from raydist.net import free_port, port_is_free
+
+    root = Path(__file__).resolve().parent.parent
+    defined = [str(p.relative_to(root)) for d in ("raydist", "tests", "bench") for p in (root / d).rglob("*.py")
+               if re.search(r"^\s*def _?free_port\(", p.read_text(), re.MULTILINE)]  # fmt: skip
+    assert sorted(defined) == ["raydist/net.py", "raydist/protocol.py"]  # protocol's: the rank's endpoint, a call
+    assert protocol.free_port is free_port
+    for host in ("", "127.0.0.1"):
+        port = free_port(host)
+        assert 1024 <= port < 65536 and port_is_free(port, host)
+        with socket.socket() as s:
+            s.bind((host, port))
+            s.listen()
+            assert not port_is_free(port, host) and not port_is_free(port)
+
+
+def test_rays_private_apis_are_each_called_from_one_function_that_says_which_public_api_is_missing():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "raydist"
+    private = re.compile(r"ray\._private|ray\._common|_internal_kv|\._meta_count|ray\.experimental")
+    allowed = {
+        "driver/connect.py": {"_recorded_address"},
+        "driver/placement.py": {"_max_resources_from_cluster_config", "_autoscaler_node_types", "_available_per_node"},
+        "data/sources.py": set(),
+    }
+    for name, functions in allowed.items():
+        source = (root / name).read_text()
+        tree = ast.parse(source)
+        owners = {}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for line in range(node.lineno, node.end_lineno + 1):
+                    owners.setdefault(line, node)  # the outermost function: walk meets it first
+        used = {}
+        for number, line in enumerate(source.splitlines(), 1):
+            code = line.split("#")[0]
+            if private.search(code) and not code.strip().startswith(("\"", "'")):
+                owner = owners.get(number)
+                used.setdefault(owner.name if owner else "<module>", owner)
+        assert set(used) <= functions, (name, sorted(used))
+        for function in used.values():
+            assert "Private Ray: " in ast.get_docstring(function) and "public API" in ast.get_docstring(function)

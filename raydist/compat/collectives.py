@@ -38,13 +38,13 @@ co-located ranks do not compile at the same time.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import os
 from pathlib import Path
 
 import paddle
+from filelock import FileLock
 from paddle import pir
 
 from . import expect_source
@@ -99,8 +99,7 @@ def load_ops() -> None:
     build = cache_dir() / f"ops-paddle{paddle.__version__}-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     library = build / _NAME / f"{_NAME}.so"
-    with open(build / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(build / ".lock"):  # co-located ranks: one compiles, the others wait and load
         if library.exists():
             load_op_meta_info_and_register_op(str(library))
         else:  # compile

@@ -9,7 +9,8 @@ from storage to the ranks without passing through the driver.
 
 - A ``ray.data.Dataset`` is split with ``streaming_split(dp, equal=True)``,
   with ``preserve_order`` on, so the split is the same in every run (a new
-  split per epoch; with ``shuffle`` a ``random_shuffle(seed + epoch)`` first).
+  split per epoch; with ``shuffle`` a ``random_shuffle`` first, seeded by the
+  epoch and ``seed`` together: `sources.shuffle_seed`).
 - A picklable ``paddle.io.Dataset`` is read by each reader through Paddle's
   ``DistributedBatchSampler``, as ``paddle.distributed.shard_dataloader`` does.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +107,9 @@ class ShardDataloader:
             )
         self.batch_size = batch_size
         self.local_batch_size = batch_size // self.dp
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), None if seed is None else int(seed), bool(drop_last)
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         self.prefetch = prefetch
@@ -371,7 +375,8 @@ def shard_dataloader(
         shard_dims: the mesh dim (name or index) along which batches are split
             across data-parallel groups; None: every rank reads every row.
         batch_size: the GLOBAL batch size (split evenly over the groups).
-        shuffle, seed: reshuffle every epoch, reproducibly with ``seed``.
+        shuffle, seed: reshuffle every epoch, reproducibly with ``seed`` (a
+            non-negative int: each (seed, epoch) pair shuffles its own way).
         drop_last: drop the last incomplete batch of an epoch.
         prefetch: how many local batches each reader reads ahead of its
             rank (in chunks of up to 4 MiB).

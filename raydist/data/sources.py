@@ -21,6 +21,14 @@ import numpy as np
 from .. import pickling
 
 
+def shuffle_seed(seed: int, epoch: int) -> int:
+    """Epoch ``epoch``'s shuffle seed under the loader's ``seed``: the same on every run and
+    rank, and a stream of its own for every (seed, epoch) pair (``seed + epoch`` would
+    shuffle seed 5's epoch 1 as seed 6's epoch 0). A uint32: what Ray Data's
+    ``random_shuffle`` and numpy's ``RandomState`` (Paddle's sampler) take."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One column of the rows: its key, per-row shape and dtype."""
@@ -50,8 +58,7 @@ class RaySource:
         return out
 
     def count(self) -> int:
-        meta = getattr(self.dataset, "_meta_count", lambda: None)()
-        return int(meta if meta is not None else self.dataset.count())
+        return int(self.dataset.count())  # from the files' metadata when Ray Data has it (parquet), without a read
 
     @staticmethod
     def rows_per_group(rows: int, dp: int) -> int:
@@ -62,7 +69,7 @@ class RaySource:
 
         ds = self.dataset
         if shuffle:
-            ds = ds.random_shuffle(seed=None if seed is None else seed + epoch)
+            ds = ds.random_shuffle(seed=None if seed is None else shuffle_seed(seed, epoch))
         ds = Dataset.copy(ds, _deep_copy=True)  # leave the user's dataset's context alone
         ds.context.execution_options.preserve_order = True  # the same split in every run
         ds.context.enable_progress_bars = False  # the training loop has its own
@@ -116,7 +123,9 @@ class PaddleSource:
             import ray
 
             self.ref = ray.put(self.pickled)  # once, for every reader and epoch
-        return [PaddleSplit(self.ref, dp, g, shuffle, epoch + (seed or 0)) for g in range(dp)]
+        # no seed: the sampler's own epoch order, as Paddle's shard_dataloader shuffles
+        order = epoch if seed is None else shuffle_seed(seed, epoch)
+        return [PaddleSplit(self.ref, dp, g, shuffle, order) for g in range(dp)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +136,7 @@ class PaddleSplit:
     num_replicas: int
     rank: int
     shuffle: bool
-    epoch: int
+    epoch: int  # what the sampler's ``set_epoch`` gets: it seeds the shuffle (`shuffle_seed`)
 
     def chunks(self, batch_size: int, drop_last: bool, keys: list, chunk: int) -> Iterator[list[dict]]:
         batches = self._batches(batch_size, drop_last, keys)

@@ -31,9 +31,7 @@ def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return True
-    from ray._private.utils import read_ray_address
-
-    recorded = read_ray_address()
+    recorded = _recorded_address()
     if recorded is not None:
         if _reachable(recorded):
             log.info("raydist: connecting to the Ray cluster at %s (Ray's address file)", recorded)
@@ -49,6 +47,17 @@ def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -
     log.info("raydist: starting a local Ray instance with %d CPUs", num_cpus)
     ray.init(address="local", num_cpus=num_cpus)
     return True
+
+
+def _recorded_address() -> str | None:
+    """The cluster Ray's address file names (``ray start`` writes it; ``ray.init()`` reads it), or None.
+
+    Private Ray: Ray 2.60 has no public API that reads the address file (or tells whether
+    ``ray.init()`` would connect to a cluster, short of calling it); this is the call that
+    ``ray.init()`` makes itself."""
+    from ray._private.utils import read_ray_address
+
+    return read_ray_address()
 
 
 def _reachable(address: str, timeout: float = 2.0) -> bool:

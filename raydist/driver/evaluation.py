@@ -39,7 +39,7 @@ def evaluate(call: Callable[..., Any], modes: Modes, metrics: Sequence[Any], dat
         nonlocal total, rows
         while pending and (wait or pending[0][0].done):
             loss, n, step = pending.popleft()
-            outcome = loss._step.result()
+            outcome = loss.outcome()
             total, rows = total + float(outcome) * n, rows + n
             for metric, values in zip(metrics, getattr(outcome, "metrics", [])):
                 metric.update(*values)

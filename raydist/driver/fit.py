@@ -124,6 +124,7 @@ class _Run:
         self.begun = -1  # the last epoch whose on_epoch_begin was called
         self.ended = -1  # the last epoch whose end (evaluation, schedule, callbacks) was done
         self.pending: collections.deque[_Sent] = collections.deque()  # sent, loss not yet collected
+        self.stood_still = False  # whether a save or an evaluation ran since the last step
         self.bar = None
         self.callbacks = None
         self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
@@ -170,7 +171,9 @@ class _Run:
     def _grow(self, pending: collections.deque, epoch: int, step: int) -> None:
         """At a step boundary: move an elastic model to a larger group once the cluster has shown
         room for one, and go on from ``step``."""
-        size = self.life.can_grow()
+        # the loop stood still for a save or an evaluation: a node may have joined meanwhile
+        size = self.life.can_grow(look=self.stood_still)
+        self.stood_still = False
         if size is None:
             return
         self._collect(pending, wait=True)
@@ -189,6 +192,7 @@ class _Run:
         self.callbacks.on_epoch_end(epoch, dict(self.logs))
 
     def evaluate(self) -> None:
+        self.stood_still = True
         result = self.dm.evaluate(self.eval_loader, callbacks=self.callbacks)
         self.logs.update({f"eval_{k}": v for k, v in result.items()})
 
@@ -203,6 +207,7 @@ class _Run:
 
     def checkpoint(self, epoch: int, step: int) -> None:
         done = len(self.history)
+        self.stood_still = True
         self.dm.save(posixpath.join(self.directory, f"step-{done:08d}"))
         self.resume = (epoch, step, done)
 

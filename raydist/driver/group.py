@@ -269,7 +269,7 @@ class RankGroup:
             return cause.rank
         actor_id = getattr(e, "actor_id", None)
         if actor_id is not None:
-            return next((r for r, a in enumerate(self.actors) if a._actor_id.hex() == actor_id), -1)
+            return next((r for r, place in enumerate(self.places) if place.actor_id == actor_id), -1)
         return -1
 
     def live_bundles(self) -> int:

@@ -132,9 +132,14 @@ class Lifecycle:
             self.state.load(self.state.last_checkpoint, self.modes.built("train"))
         return self.went_on_live
 
-    def can_grow(self) -> int | None:
-        """A larger accepted size the cluster had room for when last looked at (every `ROOM_POLL_S`), if any."""
-        return self._room.size if self._room is not None else None
+    def can_grow(self, look: bool = False) -> int | None:
+        """A larger accepted size the cluster had room for when last looked at (every `ROOM_POLL_S`), if any;
+        ``look``: look now (a few calls to Ray's GCS), e.g. after the loop stood still for a save."""
+        if self._room is None:
+            return None
+        if look and self._room.size is None:
+            self._room.look()
+        return self._room.size
 
     def resize(self, size: int) -> None:
         """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
@@ -202,24 +207,27 @@ class Lifecycle:
 
 class RoomWatch:
     """A thread that looks, every `ROOM_POLL_S`, whether the cluster has room for a larger accepted
-    size than ``size``; `size` is that size once it has (None before)."""
+    size than ``size``; `size` is that size once it has (None before). `look` looks at once."""
 
     def __init__(self, sizes: Sizes, size: int, bundle: dict[str, float]):
         self.size: int | None = None
+        self._sizes, self._from, self._bundle = sizes, size, bundle
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._look, args=(sizes, size, bundle), name="raydist-room",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self._watch, name="raydist-room", daemon=True)
         self._thread.start()
 
-    def _look(self, sizes: Sizes, size: int, bundle: dict[str, float]) -> None:
-        while not self._stopped.wait(ROOM_POLL_S):
+    def _watch(self) -> None:
+        while not self._stopped.wait(ROOM_POLL_S) and self.size is None:
             try:
-                larger = sizes.larger(size, placeable_now(bundle))
+                self.look()
             except Exception:  # noqa: BLE001 - Ray is shutting down, say: look again, or stop
                 continue
-            if larger is not None:
-                self.size = larger
-                return
+
+    def look(self) -> None:
+        """Look now (from any thread): `size` is set once a larger size fits."""
+        larger = self._sizes.larger(self._from, placeable_now(self._bundle))
+        if larger is not None:
+            self.size = larger
 
     def stop(self) -> None:
         self._stopped.set()

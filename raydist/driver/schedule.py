@@ -7,7 +7,9 @@ made to the replica at once and travels to the ranks with the next step
 message, which every rank applies before that step: a change takes effect
 from the next call on, whatever is still in flight, as in one process. It
 is an ``LRScheduler`` itself, so Paddle's callbacks that step
-``model._optimizer._learning_rate`` work with it unchanged.
+``model._optimizer._learning_rate`` work with it unchanged. Setting an
+attribute (``dm.lr_scheduler.last_epoch = 3``) is refused: it would change
+the replica only, and the ranks would silently diverge from it.
 """
 
 from __future__ import annotations
@@ -54,8 +56,18 @@ class RankScheduler(LRScheduler):
     def __getattr__(self, name: str) -> Any:  # last_lr, last_epoch, base_lr, ...
         return getattr(self.__dict__["_replica"], name)
 
+    def state_keys(self) -> None:
+        self._replica.state_keys()
+
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._replica, name, value)
+        # Setting an attribute would change the driver's replica only, and the ranks would go on with theirs.
+        raise AttributeError(
+            f"dm.lr_scheduler.{name} cannot be set: it would change the driver's copy only, not the ranks' "
+            "schedulers; use dm.lr_scheduler.step(...) or dm.lr_scheduler.set_state_dict(...), which are sent "
+            "to the ranks")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"dm.lr_scheduler.{name} cannot be deleted: the ranks' schedulers keep theirs")
 
     def _rebind(self, replica: LRScheduler, send: Callable[[LrChange], None]) -> None:
         """Stand for a new group's schedulers (after a restart): the user keeps the same handle."""

@@ -315,9 +315,10 @@ class Loss:
     """The loss of a train or eval step, read from the ranks when used as a number.
 
     Behaves as a float: ``float(loss)``, ``f"{loss:.4f}"``, ``print(loss)``,
-    arithmetic, comparisons, ``numpy.asarray(loss)`` and ``math.isclose`` all
-    wait for the step (and raise its failure, if it failed). ``loss.done``
-    tells without waiting.
+    arithmetic (``//``, ``%``, ``divmod``, ``math.floor``... too: every
+    operation of ``numbers.Real``, as on ``float(loss)``), comparisons,
+    ``numpy.asarray(loss)`` and ``math.isclose`` all wait for the step (and
+    raise its failure, if it failed). ``loss.done`` tells without waiting.
     """
 
     __slots__ = ("_step",)
@@ -336,6 +337,11 @@ class Loss:
 
     def __float__(self) -> float:
         return float(self._step.result())
+
+    def outcome(self) -> Any:
+        """What the step returned, waiting for it: the float loss, or an `Evaluated` loss with
+        the metric values of an eval step with metrics."""
+        return self._step.result()
 
     def item(self) -> float:
         return float(self)
@@ -376,10 +382,33 @@ class Loss:
     def __trunc__(self) -> int:
         return math.trunc(float(self))
 
+    def __floor__(self) -> int:
+        return math.floor(float(self))
+
+    def __ceil__(self) -> int:
+        return math.ceil(float(self))
+
+    def __complex__(self) -> complex:
+        return complex(float(self))
+
+    @property
+    def real(self) -> float:
+        return float(self).real
+
+    @property
+    def imag(self) -> float:
+        return float(self).imag
+
+    def conjugate(self) -> float:
+        return float(self).conjugate()
+
     __add__, __radd__ = _number_op(operator.add)
     __sub__, __rsub__ = _number_op(operator.sub)
     __mul__, __rmul__ = _number_op(operator.mul)
     __truediv__, __rtruediv__ = _number_op(operator.truediv)
+    __floordiv__, __rfloordiv__ = _number_op(operator.floordiv)
+    __mod__, __rmod__ = _number_op(operator.mod)
+    __divmod__, __rdivmod__ = _number_op(divmod)
     __pow__, __rpow__ = _number_op(operator.pow)
     __lt__, __gt__ = _number_op(operator.lt)
     __le__, __ge__ = _number_op(operator.le)
@@ -388,4 +417,4 @@ class Loss:
     del _
 
 
-numbers.Real.register(Loss)  # a number for isinstance(x, numbers.Number) checks
+numbers.Real.register(Loss)  # a number for isinstance checks: it implements every method of numbers.Real

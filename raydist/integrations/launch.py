@@ -49,9 +49,9 @@ class ScriptActor(Member):
             with open(path, "w", encoding="utf-8") as f:  # another node: the driver's copy
                 f.write(source)
         child = subprocess.Popen(
-            [sys.executable, "-m", "raydist.integrations.spmd", path, *args],
+            dying_with_this_process([sys.executable, "-m", "raydist.integrations.spmd", path, *args]),
             env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, cwd=cwd if os.path.isdir(cwd) else os.path.dirname(path),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
         )  # fmt: skip
         lines: queue.Queue = queue.Queue()
 
@@ -80,15 +80,27 @@ class ScriptActor(Member):
         yield ("exit", child.wait())
 
 
-def _die_with_parent() -> None:
-    """In a child process: be killed when the actor dies (Linux), so no script outlives its rank."""
-    try:
-        import ctypes
-        import signal
+# The first thing a launched script's process runs (``python -c``, before it execs the script's command):
+# it asks the kernel to kill it when its parent dies. Done in the child, which has one thread, not through
+# Popen's ``preexec_fn`` (which runs between fork and exec in the actor, a multi-threaded process: unsafe, per
+# the subprocess docs). argv: the parent's pid, then the command.
+_DIE_WITH_PARENT = """\
+import ctypes, ctypes.util, os, signal, sys
+parent, command = int(sys.argv[1]), sys.argv[2:]
+try:
+    ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):  # no prctl: not Linux
+    pass
+if os.getppid() != parent:  # the parent died before prctl: no signal would come
+    sys.exit(1)
+os.execvp(command[0], command)
+"""
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux
-        pass
+
+def dying_with_this_process(command: list[str]) -> list[str]:
+    """``command`` run so that its process is killed when this one dies (Linux), so no script outlives
+    its rank: through a trampoline (`_DIE_WITH_PARENT`) that sets ``PR_SET_PDEATHSIG`` on itself."""
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 def launch(
@@ -169,20 +181,22 @@ def _status(codes: list, stderr) -> int:
     return 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="raydist launch",
-        description="Run an unmodified SPMD Paddle script (as for python -m paddle.distributed.launch) "
-        "with one rank per Ray actor.",
-    )
+DESCRIPTION = ("Run an unmodified SPMD Paddle script (as for python -m paddle.distributed.launch) "
+               "with one rank per Ray actor.")
+
+
+def _launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     parser.add_argument("--gpus", action="store_true", help="one GPU per rank, NCCL (default: CPU, gloo)")
     parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     parser.add_argument("--paddle-logs", action="store_true", help="keep Paddle's INFO logs (glog) in the ranks")
     parser.add_argument("--name", help="prefix of the rank actors' names (default raydist-launch)")
-    parser.add_argument("script")
+    parser.add_argument("script", help="the SPMD script, run as python script.py on every rank")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def _launch_command(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if opts.nproc < 1:
         parser.error("-n must be at least 1")
     if not os.path.isfile(opts.script):
@@ -198,13 +212,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             ray.shutdown()
 
 
-def cli() -> None:
-    """The ``raydist`` console script: ``raydist launch ...``."""
-    argv = sys.argv[1:]
-    if not argv or argv[0] != "launch":
-        print("usage: raydist launch -n N [--gpus] [--address ADDR] script.py [args...]", file=sys.stderr)
-        raise SystemExit(2)
-    raise SystemExit(main(argv[1:]))
+def main(argv: Sequence[str] | None = None) -> int:
+    """``raydist launch``'s arguments, without the ``launch`` (``python -m raydist.launch ...``)."""
+    parser = _launch_arguments(argparse.ArgumentParser(prog="raydist launch", description=DESCRIPTION))
+    return _launch_command(parser.parse_args(argv), parser)
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    """The ``raydist`` console script (and ``python -m raydist``): ``raydist launch ...``."""
+    parser = argparse.ArgumentParser(prog="raydist", description="raydist's commands.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    launch_parser = _launch_arguments(commands.add_parser("launch", help=DESCRIPTION, description=DESCRIPTION))
+    opts = parser.parse_args(argv)
+    raise SystemExit(_launch_command(opts, launch_parser))
 
 
 if __name__ == "__main__":
