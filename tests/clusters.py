@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from raydist.net import free_port
 
 TESTS = Path(__file__).resolve().parent
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]  # Ray's CLI, whether or not its venv is on PATH
@@ -58,19 +59,13 @@ def cluster(nodes: int) -> str:
     return CLUSTER.replace("NODES", str(nodes))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class AutoscalingHead:
     """A head with Ray's autoscaler on the fake multi-node provider; worker nodes of
     ``{"CPU": 2, "rank": 2}`` come (up to ``max_nodes``) when something cannot be placed."""
 
     def __init__(self, max_nodes: int = 2):
         self.temp = tempfile.mkdtemp(prefix="rda", dir="/tmp")
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         self.address = f"{self._ip()}:{self.port}"
         config = {
             "cluster_name": "raydist-fake",

@@ -16,8 +16,9 @@ def hook(name: str) -> dict:
     """
     from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
 
+    path = [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
     return {"env_vars": {WORKER_PROCESS_SETUP_HOOK_ENV_VAR: f"faults.{name}",
-                         "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}}  # fmt: skip
+                         "PYTHONPATH": os.pathsep.join(p for p in path if p)}}  # fmt: skip
 
 
 def die_after_writing_on_rank_1():
@@ -61,26 +62,77 @@ def pause_a_save_when_flagged():
     checkpoint.write_pieces = write_then_wait
 
 
-def die_in_step_5_on_rank_1():
-    """Rank 1's process is killed as its step 5 (its sixth since the build) begins: its peers
-    are then inside step 5, waiting for it in a collective."""
+def _before_each_step(before):
+    """Patch the rank's model service so that ``before(service)`` runs as each of its steps
+    begins (``service.steps_begun`` counts them from 1, since the build; ``service.rank``)."""
     from raydist.protocol import RankActor
 
     setup = RankActor.setup
 
-    def setup_then_patch(self, *args):
-        fixes = setup(self, *args)  # Paddle is imported only once the rank joined: patch after
+    def setup_then_patch(self, *args, **kwargs):
+        fixes = setup(self, *args, **kwargs)  # Paddle is imported only once the rank joined: patch after
         from raydist.worker import model
 
         step = model.ModelService.step
 
-        def step_or_die(service, message, staged):
+        def step_after(service, message, staged):
             service.steps_begun = getattr(service, "steps_begun", 0) + 1
-            if service.rank == 1 and service.steps_begun == 6:
-                os.kill(os.getpid(), signal.SIGKILL)
+            before(service)
             return step(service, message, staged)
 
-        model.ModelService.step = step_or_die
+        model.ModelService.step = step_after
         return fixes
 
     RankActor.setup = setup_then_patch
+
+
+def die_in_step_5_on_rank_1():
+    """Rank 1's process is killed as its step 5 (its sixth since the build) begins: its peers
+    are then inside step 5, waiting for it in a collective."""
+
+    def die(service):
+        if service.rank == 1 and service.steps_begun == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _before_each_step(die)
+
+
+def slow_steps():
+    """Every step of every rank takes $RAYDIST_TEST_STEP_S seconds more (a sleep as it begins)."""
+    import time
+
+    seconds = float(os.environ["RAYDIST_TEST_STEP_S"])
+    _before_each_step(lambda service: time.sleep(seconds))
+
+
+def hold_step_1_until_rank_1_is_gone():
+    """For a test that kills rank 1 inside its step 1 (its second since the build): as rank 1
+    begins that step, it writes its pid to the file $RAYDIST_TEST_FLAG and goes on into the
+    step (where it waits for rank 0); rank 0 begins it only once that pid is gone (at most
+    60 s), so the kill lands while rank 1 is inside the step, and rank 0 then runs its part
+    against a dead peer."""
+    import time
+
+    flag = os.environ["RAYDIST_TEST_FLAG"]
+
+    def hold(service):
+        if service.steps_begun != 2:
+            return
+        if service.rank == 1:
+            with open(flag + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(flag + ".tmp", flag)
+        elif service.rank == 0:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (os.path.exists(flag) and _gone(int(open(flag).read()))):
+                time.sleep(0.02)
+
+    _before_each_step(hold)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -186,23 +186,26 @@ class Rows(paddle.io.Dataset):
         return len(self.x)
 
 
-def global_batches(dataset: Rows, batch_size: int, shards: int, epoch: int, shuffle: bool = False, seed: int = 0):
+def global_batches(dataset: Rows, batch_size: int, shards: int, epoch: int, shuffle: bool = False,
+                   seed: int | None = None):  # fmt: skip
     """The global batches of one epoch as raydist's loader reads a paddle dataset in ``shards``
     data shards (Paddle's DistributedBatchSampler, one per shard): shard by shard, in order."""
     from paddle.io import DistributedBatchSampler
+
+    from raydist.data.sources import shuffle_seed
 
     per_shard = []
     for s in range(shards):
         sampler = DistributedBatchSampler(dataset, batch_size=batch_size // shards, num_replicas=shards, rank=s,
                                           shuffle=shuffle, drop_last=True)  # fmt: skip
-        sampler.set_epoch(epoch + seed)
+        sampler.set_epoch(epoch if seed is None else shuffle_seed(seed, epoch))  # as raydist's loader seeds it
         per_shard.append(list(sampler))
     return [np.concatenate([dataset.x[ids] for ids in step]) for step in zip(*per_shard)], \
         [np.concatenate([dataset.y[ids] for ids in step]) for step in zip(*per_shard)]
 
 
 def assert_fit_like_one_process(losses, params, dataset: Rows, batch_size: int, shards: int, epochs: int,
-                                optimizer, shuffle: bool = False, seed: int = 0) -> None:  # fmt: skip
+                                optimizer, shuffle: bool = False, seed: int | None = None) -> None:  # fmt: skip
     """``fit``'s losses and final parameters equal one plain process over the loader's global batches."""
     ref, expected = Reference(optimizer), []
     for epoch in range(epochs):

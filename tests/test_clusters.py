@@ -11,7 +11,7 @@ import pytest
 
 from clusters import TESTS, AutoscalingHead, cluster, run_driver
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]  # raylets and heads of their own
 
 
 def test_ranks_wait_for_the_autoscaler_then_train():
@@ -42,11 +42,14 @@ def test_ranks_wait_for_the_autoscaler_then_train():
 
 
 def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_as_one_process():
-    """dp x mp2 under AdamW, num_workers=(2, 4) over two 2-CPU nodes: one node lost mid-epoch
-    (training goes on from the surviving data-parallel group's state), another joins later,
-    while a checkpoint is being written (the save completes at 2 ranks, the model grows at a
-    later step, the checkpoint loads). Every step's loss and the final parameters equal one
-    plain process."""
+    """dp x mp2 under AdamW, num_workers=(2, 4) over two 2-CPU nodes, 3 epochs of 8 steps: one
+    node lost after step 3 (training goes on at 2 ranks from the surviving data-parallel
+    group's state), another joins while the checkpoint after step 12 is being written. The save
+    waits until Ray shows the new node alive with its resources and room for 2 more ranks; the
+    save completes at 2 ranks, and the model runs at 4 from step 14 on at the latest (a join
+    visible before step k: the larger size from step k+1 or k+2 on), 10 steps of 24 at least;
+    the checkpoint written at 2 ranks loads at 4. Every step's loss and the final parameters
+    equal one plain process."""
     out = run_driver(cluster(2) + """
     import glob, json, logging, os, sys, tempfile, threading, time
     import numpy as np, paddle, paddle.distributed as dist
@@ -85,7 +88,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
         # fit runs beside: Ray's add_node and remove_node must run on the main thread
         ck, run = tempfile.mkdtemp() + "/ck", {}
         fit = threading.Thread(target=lambda: run.update(losses=dm.fit(
-            loader, epochs=2, checkpoint_every=6, checkpoint_dir=ck, max_failures=1, progress=False,
+            loader, epochs=3, checkpoint_every=6, checkpoint_dir=ck, max_failures=1, progress=False,
             callbacks=[Chaos()])))
         fit.start()
         lose.wait(120)
@@ -97,25 +100,37 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
         while fit.is_alive() and (os.path.exists(flag) or not glob.glob(ck + "/*.saving-*/*")):  # the paused save
             time.sleep(0.02)
         saving = glob.glob(ck + "/*.saving-*")
-        cluster.add_node(num_cpus=2, resources={"rank": 2})
+        joined = cluster.add_node(num_cpus=2, resources={"rank": 2})
+        # the run goes on only once the join is visible to Ray: the node alive with its
+        # resources, and room for the 2 more ranks of the larger size
+        deadline = time.monotonic() + 60
+        while not (any(n["NodeID"] == joined.node_id and n["Alive"] and n["Resources"].get("rank") == 2
+                       for n in ray.nodes()) and ray.available_resources().get("rank", 0) >= 2):
+            assert time.monotonic() < deadline, (ray.nodes(), ray.available_resources())
+            time.sleep(0.05)
         events["joined"] = time.monotonic()
+        visible = len(sizes)  # steps reported when the join became visible: the run waits in the save
         during = bool(saving) and os.path.exists(saving[0])
         open(resume, "w").close()
         fit.join(240)
         losses = run["losses"]
         params = dm.state_dict("param")
         redone = dm._client.window.submitted - len(losses)
-        print("sizes", sizes, "steps sent again", redone, "joined during a save", during)
+        print("sizes", sizes, "steps sent again", redone, "join visible after step", visible,
+              "joined during a save", during)
         # from the survivors' state: only the step in flight runs again (the checkpoint is 3 steps older)
         assert dm._life.went_on_live and redone == 1, (dm._life.went_on_live, redone)
+        assert during and visible == 12 and len(sizes) == 24, (during, visible, sizes)
+        assert sizes[:3] == [4] * 3 and sizes[3:visible] == [2] * (visible - 3), sizes  # shrank, no room to grow
+        assert sizes[visible + 2:] == [4] * (24 - visible - 2), sizes  # grew at the step after the join, or the next
         print(f"loss to smaller step {events['size 2'] - events['lost']:.1f} s; "
-              f"join to larger step {events['size 4'] - events['joined']:.1f} s")
-        assert during and 4 in sizes[:3] and 2 in sizes and sizes[-1] == 4, (during, sizes)
+              f"visible join to larger step {events['size 4'] - events['joined']:.1f} s")
         assert not glob.glob(ck + "/*.saving-*"), os.listdir(ck)
-        assert_fit_like_one_process(losses, params, rows, 8, 2, 2, adamw(), shuffle=True, seed=3)
-        saved = sorted(glob.glob(ck + "/step-*"))[-1]
+        assert_fit_like_one_process(losses, params, rows, 8, 2, 3, adamw(), shuffle=True, seed=3)
+        saved = ck + "/step-00000012"  # written at 2 ranks while the node joined
         assert json.load(open(saved + "/manifest.json"))["num_workers"] == 2
-        dm.load(saved)  # written at 2 ranks while the node joined; loads at 4
+        dm.load(saved)  # loads at 4
+        assert dm.num_workers == 4
         dm.shutdown()
         print("shrank and grew like one process")
     finally:
@@ -168,11 +183,14 @@ def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fi
         dm = raydist.to_static(build("elastic"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=(4, 6),
                                resources_per_rank={"CPU": 1, "rank": 1}, placement_timeout_s=6)
         victim = next(s.node_id for s in raydist.status() if s.node_id != nodes[0].node_id)
+        on_victim = {s.rank for s in raydist.status() if s.node_id == victim}
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == victim))
         try:
             float(dm(*data[0]))
-        except raydist.RankError:
-            pass
+            raise AssertionError("a lost node went unnoticed")
+        except raydist.RankError as e:
+            assert e.rank in on_victim and e.died, (e, on_victim)
+            print(f"RankError naming rank {e.rank} of the lost node")
         try:
             dm.restart()
             raise AssertionError("restarted below the minimum")
@@ -185,6 +203,7 @@ def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fi
     """)
     print(out)
     assert "restarted at 2 from the survivors like one process" in out and "below the minimum" in out
+    assert out.count("RankError naming rank") == 2
 
 
 def test_messages_relayed_through_the_ranks_of_two_nodes_train_like_one_process_and_a_lost_node_is_named():

@@ -6,27 +6,13 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 import pytest
-import ray
 
 import raydist
-from models import IN, OUT, Reference, assert_close, build, sgd
+from helpers import DPMP_MESH as MESH
+from helpers import N, Pairs, Poisoned, dataset, rows
+from models import Reference, assert_close, build, sgd
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
-
-N = 70  # rows: 35 per dp group, 8 steps of 4 per group, 3 rows of each group dropped
-MESH = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
-
-
-def rows(n=N):
-    rng = np.random.RandomState(0)
-    x, y = rng.randn(n, IN).astype("float32"), rng.randn(n, OUT).astype("float32")
-    return x, y
-
-
-def dataset(n=N, blocks=5):
-    x, y = rows(n)
-    items = [{"id": i, "x": x[i], "y": y[i], "tag": i + np.arange(4, dtype="float32") / 4} for i in range(n)]
-    return ray.data.from_items(items, override_num_blocks=blocks)
 
 
 class Tagger(paddle.nn.Layer):
@@ -66,6 +52,7 @@ def epoch_ids(dm, loader, stop=None):
     return out
 
 
+@pytest.mark.slow
 def test_every_row_once_and_mp_peers_alike(tagger):
     loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
     assert len(loader) == 8 and loader.local_batch_size == 4
@@ -79,6 +66,7 @@ def test_every_row_once_and_mp_peers_alike(tagger):
     assert epoch_ids(tagger, loader) == batches  # no shuffle: the next epoch, the same batches
 
 
+@pytest.mark.slow
 def test_break_then_new_epoch_and_shuffle_with_seed(tagger):
     loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8,
                                       shuffle=True, seed=5)  # fmt: skip
@@ -96,6 +84,7 @@ def test_break_then_new_epoch_and_shuffle_with_seed(tagger):
     assert epoch_ids(tagger, again) == second and epoch_ids(tagger, again) == third
 
 
+@pytest.mark.slow
 def test_training_through_the_loader_matches_single_process(tagger):
     loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["x", "y"], shard_dims="dp", batch_size=8)
     probe = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
@@ -117,19 +106,7 @@ def test_training_through_the_loader_matches_single_process(tagger):
         assert_close(params[name], value, what=name)
 
 
-class Pairs(paddle.io.Dataset):
-    """Tuple rows (x, y), as paddle.io.Dataset users write them."""
-
-    def __init__(self, n):
-        self.x, self.y = rows(n)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-    def __len__(self):
-        return len(self.x)
-
-
+@pytest.mark.slow
 def test_paddle_dataset_reads_like_paddles_distributed_sampler():
     data = Pairs(40)
     loader = raydist.shard_dataloader(data, MESH, shard_dims="dp", batch_size=8)
@@ -182,13 +159,7 @@ def test_handles_from_another_epoch_are_refused(tagger):
     assert time.monotonic() - start < 5
 
 
-class Poisoned(Pairs):
-    def __getitem__(self, i):
-        if i == 30:
-            raise ValueError("row 30 is poisoned on purpose")
-        return super().__getitem__(i)
-
-
+@pytest.mark.slow
 def test_a_failing_reader_surfaces_as_rank_error_not_a_hang():
     loader = raydist.shard_dataloader(Poisoned(40), MESH, shard_dims="dp", batch_size=8, prefetch=1)
     samplers = [paddle.io.DistributedBatchSampler(Pairs(40), 4, num_replicas=2, rank=g) for g in range(2)]
@@ -203,7 +174,7 @@ def test_a_failing_reader_surfaces_as_rank_error_not_a_hang():
         assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("shuffle", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_one_group_reading_every_shard_reads_the_global_batches_of_all_groups(tagger, shuffle):
     """An elastic model on fewer data-parallel groups reads the loader's shards joined
     (raydist.data.sources.JoinedSplit): the rows and order of the full-size run's global batches."""

@@ -11,27 +11,10 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 import raydist
+from helpers import schedule, wait_gone
 from models import MLP, Reference, assert_close, batches, build, sgd
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
-
-
-def wait_gone(pids, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"rank processes still alive: {alive}")
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def raising_build():
@@ -52,6 +35,7 @@ def test_exception_in_build_layer_names_the_rank():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_rank_failing_while_peers_wait_in_a_collective():
     """Rank 1 raises while building the program; rank 0 waits in a barrier and is torn down."""
     x, y = batches(1)[0]
@@ -164,6 +148,7 @@ def wait_noticed(dm, pid, timeout=20.0):
     raise AssertionError("Ray did not notice the dead rank")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch, when", [("calls", "send"), ("compiled", "receive")])  # each of both, once
 def test_a_rank_killed_between_steps_is_a_rank_error_at_the_next_send_or_receive(dispatch, when):
     """"send": Ray has torn the graph down before the next call; "receive": the call goes out first."""
@@ -222,8 +207,10 @@ def _ref_the_driver_cannot_read():
     return _undeserializable.remote()
 
 
-@pytest.mark.parametrize("make_ref, kind", [(_ref_of_a_dead_owner, ray.exceptions.ObjectLostError),
-                                            (_ref_the_driver_cannot_read, ray.exceptions.RaySystemError)])  # fmt: skip
+@pytest.mark.parametrize("make_ref, kind", [
+    pytest.param(_ref_of_a_dead_owner, ray.exceptions.ObjectLostError, marks=pytest.mark.slow),
+    (_ref_the_driver_cannot_read, ray.exceptions.RaySystemError),
+])
 def test_every_ray_error_of_a_rank_call_is_a_rank_error_and_tears_the_group_down(make_ref, kind):
     """Not just RayTaskError and RayActorError: whatever Ray raises for a call's result."""
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
@@ -238,6 +225,7 @@ def test_every_ray_error_of_a_rank_call_is_a_rank_error_and_tears_the_group_down
         dm(*batches(1)[0])
 
 
+@pytest.mark.slow
 def test_a_bad_first_batch_is_refused_and_the_model_goes_on():
     """A batch the layer cannot take fails Paddle's program build on every rank: the caller's mistake."""
     x, y = batches(1)[0]
@@ -254,6 +242,7 @@ def test_a_bad_first_batch_is_refused_and_the_model_goes_on():
         assert_close(dm(x), Reference().predict(x))
 
 
+@pytest.mark.slow
 def test_restart_counts_steps_on(tmp_path):
     data = batches(4)
     with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
@@ -273,12 +262,12 @@ def test_restart_counts_steps_on(tmp_path):
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["step"] == 5
 
 
+@pytest.mark.slow
 def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_stood():
     """dp2 under AdamW: rank 1 killed with two steps in flight. restart() takes rank 0's state
     (no checkpoint exists; the step it broke off updated nothing, as its per-parameter counts
     show) and puts the schedule back where it stood before the failed step; the run redone
     from that step equals one process."""
-    from test_training import schedule
 
     def scheduled_adamw(params):
         return paddle.optimizer.AdamW(learning_rate=schedule("step"), parameters=params, weight_decay=0.01)
@@ -311,6 +300,7 @@ def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_sto
         assert_close(params[name], value, what=name)
 
 
+@pytest.mark.slow
 def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
     """spare_ranks=2 on dp2: started after the group's first step, not listed as ranks; rank 1
     killed: restart() adopts both spares (no new process for the ranks), goes on from the

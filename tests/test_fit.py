@@ -9,26 +9,12 @@ import paddle
 import pytest
 
 import raydist
-from models import Reference, adamw, assert_close, batches, build
-from test_data import Pairs
+from helpers import KillOnce, Pairs, wait_gone
+from models import Reference, adamw, assert_close, assert_fit_like_one_process, batches, build
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
 MESH = paddle.distributed.ProcessMesh([0, 1], dim_names=["dp"])
-
-
-class KillOnce(Pairs):
-    """Kills the process that reads row ``row``, the first time only (a marker file remembers)."""
-
-    def __init__(self, n, row, marker):
-        super().__init__(n)
-        self.row, self.marker = row, marker
-
-    def __getitem__(self, i):
-        if i == self.row and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().__getitem__(i)
 
 
 def fit_run(dataset, tmp, dispatch="calls", **kwargs):
@@ -41,12 +27,16 @@ def fit_run(dataset, tmp, dispatch="calls", **kwargs):
 
 @pytest.fixture(scope="module")
 def calm(ray_session, tmp_path_factory):
-    """An undisturbed run: 2 epochs of 6 steps."""
-    history, state = fit_run(Pairs(48), tmp_path_factory.mktemp("calm"))
+    """An undisturbed run: 2 epochs of 6 steps, the losses and parameters of one process."""
+    data = Pairs(48)
+    history, state = fit_run(data, tmp_path_factory.mktemp("calm"))
     assert len(history) == 12
+    assert_fit_like_one_process(history, state, data, batch_size=8, shards=2, epochs=2, optimizer=adamw(),
+                                shuffle=True, seed=3)  # fmt: skip
     return history, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["calls", "compiled"])
 def test_fit_survives_a_killed_rank_and_ends_where_an_undisturbed_run_does(calm, tmp_path, dispatch):
     calm_history, calm_state = calm
@@ -60,6 +50,7 @@ def test_fit_survives_a_killed_rank_and_ends_where_an_undisturbed_run_does(calm,
     assert sorted(os.listdir(tmp_path / "hurt"))[0] == "step-00000000"
 
 
+@pytest.mark.slow
 def test_fit_gives_up_after_max_failures(tmp_path):
     loader = raydist.shard_dataloader(KillOnce(48, 5, str(tmp_path / "m")), MESH, shard_dims="dp", batch_size=8)
     with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2) as dm:
@@ -70,6 +61,7 @@ def test_fit_gives_up_after_max_failures(tmp_path):
             dm.fit(loader, max_failures=1)
 
 
+@pytest.mark.slow
 def test_restart_after_a_killed_rank_restores_the_last_checkpoint(tmp_path):
     data, ref = batches(4), Reference(adamw())
     with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2) as dm:
@@ -96,6 +88,7 @@ class Stall(Pairs):
         return super().__getitem__(i)
 
 
+@pytest.mark.slow
 def test_a_step_that_never_finishes_times_out():
     """The reader of rank 0's group stalls: rank 0 waits step_timeout_s for its batch, then says so."""
     loader = raydist.shard_dataloader(Stall(32), MESH, shard_dims="dp", batch_size=8, prefetch=1)
@@ -108,8 +101,6 @@ def test_a_step_that_never_finishes_times_out():
                 float(dm(*batch))
         assert info.value.rank == 0 and info.value.during == "step 1"
         assert time.monotonic() - start < 30
-    from test_failures import wait_gone
-
     wait_gone(pids)
 
 

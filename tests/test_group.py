@@ -10,8 +10,8 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 import raydist
+from helpers import wait_gone
 from models import Reference, assert_close, batches, build, sgd
-from test_failures import wait_gone
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
 
@@ -60,17 +60,44 @@ def test_garbage_collection_shuts_the_group_down():
     assert placement_group_table(pg)["state"] == "REMOVED"
 
 
-def test_taken_master_port_is_replaced():
+def _master_port(dm) -> int:
+    """The port of Paddle's TCP store that the ranks were given (the same on every rank)."""
+    masters = {env["PADDLE_MASTER"] for env in dm._client.group.envs}
+    assert len(masters) == 1, masters
+    return int(masters.pop().rsplit(":", 1)[1])
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` listens on TCP ``port`` (rank 0 serves Paddle's store there)."""
+    import psutil
+
+    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+               for c in psutil.Process(pid).net_connections("tcp"))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_free_master_port_is_used_and_a_taken_one_is_replaced():
+    x, y = batches(1)[0]
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        free = probe.getsockname()[1]
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
+                           master_port=free) as dm:  # fmt: skip
+        assert _master_port(dm) == free and _listens(dm._client.group.pids[0], free)
+        assert_close(dm(x, y), Reference(sgd()).train(x, y))
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        x, y = batches(1)[0]
         with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                                master_port=port) as dm:  # fmt: skip
+            used = _master_port(dm)
+            assert used != port and _listens(dm._client.group.pids[0], used)
+            assert not _listens(dm._client.group.pids[0], port)
             assert_close(dm(x, y), Reference(sgd()).train(x, y))
 
 
+@pytest.mark.slow
 def test_programs_of_any_rank_and_mode():
     x, y = batches(1)[0]
     with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4) as dm:
@@ -95,8 +122,9 @@ def test_programs_of_any_rank_and_mode():
 DRIVER = """
 import sys, ray, paddle, raydist
 sys.path.insert(0, {tests!r})
+from helpers import DPMP_MESH as MESH
+from helpers import dataset
 from models import batches, build, sgd
-from test_data import MESH, dataset
 ray.init(address={address!r})
 loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["x", "y"], shard_dims="dp", batch_size=8)
 with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4) as dm:
@@ -111,6 +139,7 @@ print(sorted(m for m in sys.modules if m.startswith("raydist")))
 """
 
 
+@pytest.mark.slow
 def test_the_driver_never_imports_worker_code(tmp_path):
     """Every mode, a loader, state and checkpoints: the driver process imports no rank-only module."""
     import os

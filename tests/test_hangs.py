@@ -18,6 +18,7 @@ STEP_TIMEOUT_S = 3.0
 FOUND_WITHIN_S = STEP_TIMEOUT_S + watch_module.REPORT_GRACE_S + watch_module.LOOK_MAX_S + watch_module.PING_S + 5
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("steps_per_message", ["auto", 1])
@@ -41,6 +42,7 @@ def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch
                 dm(x, y)
             dm.wait()
         took = time.monotonic() - stopped
+        print(f"{dispatch}, steps_per_message={steps_per_message}: RankError {took:.1f} s after the stop")
         assert info.value.rank == 1, info.value
         assert "no answer from ranks [1]" in str(info.value)
         assert took < FOUND_WITHIN_S, f"found after {took:.1f} s"

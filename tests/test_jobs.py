@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from raydist.net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timeout(900)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.cluster]  # a Ray head of their own
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +31,7 @@ def head(tmp_path_factory):
     temp = tmp_path_factory.mktemp("head")
     short = Path("/tmp") / f"rdh{os.getpid()}"  # Ray's unix sockets need a short path
     short.mkdir(exist_ok=True)
-    gcs, dashboard, client, agent = (_free_port() for _ in range(4))
+    gcs, dashboard, client, agent = (free_port("127.0.0.1") for _ in range(4))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # fmt: skip
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_JOB_HEADERS"):

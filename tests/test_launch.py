@@ -2,12 +2,12 @@
 
 The "outside client" is Paddle itself: the usage examples in the docstrings of
 the installed Paddle's to_static, shard_dataloader and shard_tensor, extracted
-here at test time and run unchanged.
+here at test time and run unchanged (followed, where a test says so, by lines that
+print what it checks).
 """
 
 import inspect
 import io
-import os
 import re
 import subprocess
 import sys
@@ -17,10 +17,11 @@ import paddle.distributed
 import pytest
 import ray
 
+from helpers import wait_gone
 from raydist.launch import launch
-from test_failures import wait_gone
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+# slow: every test here takes 5 to 16 s on 2 cores (a script launched on its own ranks)
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300), pytest.mark.slow]
 
 SPMD = """
 import os, sys
@@ -113,11 +114,12 @@ def docstring_scripts(function) -> list[str]:
     return scripts
 
 
-def run_example(tmp_path, function, index, n):
+def run_example(tmp_path, function, index, n, then=""):
+    """The example, unchanged, as a script (followed by ``then``, lines the test adds) on ``n`` ranks."""
     source = docstring_scripts(function)[index]
     compile(source, function.__name__, "exec")
     script = tmp_path / f"{function.__name__}_{index}.py"
-    script.write_text(source)
+    script.write_text(source + then)
     return source, run(script, n=n)
 
 
@@ -131,13 +133,38 @@ def test_paddle_example_to_static_trains_and_evaluates_on_cpu(tmp_path):
     assert f"line {predict_line}, in <module>" in err and "KeyError: 'predict'" in err, err[-3000:]
 
 
+# After the example: what each rank reads, held to the rows of the dataset in the same process
+# (RandomDataset's inputs are random, so each rank's own), as one process reads them: global
+# batch i is rows 2i, 2i+1 (BatchSampler(batch_size=2)).
+READ_BACK = """
+rank = dist.get_rank()
+for i, batch in enumerate(dist_dataloader()):
+    inputs = batch["inputs"]
+    mine = [t._local_value().numpy() for t in inputs]
+    rows = [j for j in range(len(dataset))
+            if all(len(m) == 1 and np.array_equal(m[0], dataset[j]["inputs"][k]) for k, m in enumerate(mine))]
+    print("batch", i, "global", [list(t.shape) for t in inputs], "local", [list(m.shape) for m in mine],
+          "placements", inputs[0].placements, "rows", rows, "label on", batch["label"].process_mesh.process_ids)
+print("batches", i + 1)
+"""
+
+
 def test_paddle_example_shard_dataloader_with_dict_batches(tmp_path):
     """Its first example needs 8 ranks and a cross-mesh reshard (send/recv, which
-    CPU lacks); the second builds a dp-sharded loader over dict batches."""
+    CPU lacks); the second builds a dp-sharded loader over dict batches: on ranks 0 and 1
+    (mesh0's first dp row, its two mp ranks) each dict batch holds both inputs as global
+    [2, 4, 8] tensors split along dp, each rank's part the first row of the global batch
+    (dp row 1, ranks 2 and 3, would get the second), and the label on mesh1."""
     examples = docstring_scripts(paddle.distributed.shard_dataloader)
     assert len(examples) == 2 and "RUN_STATIC" in examples[0]
-    _, (status, out, err) = run_example(tmp_path, paddle.distributed.shard_dataloader, 1, n=2)
+    _, (status, out, err) = run_example(tmp_path, paddle.distributed.shard_dataloader, 1, n=2, then=READ_BACK)
     assert status == 0, err
+    for rank in range(2):
+        for i in range(4):
+            line = (f"[rank {rank}] batch {i} global [[2, 4, 8], [2, 4, 8]] local [[1, 4, 8], [1, 4, 8]] "
+                    f"placements [Shard(dim=0), Replicate()] rows [{2 * i}] label on [4, 5, 6, 7]")  # fmt: skip
+            assert line in out, out
+        assert f"[rank {rank}] batches 4" in out, out
 
 
 @pytest.mark.timeout(400)

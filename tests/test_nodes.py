@@ -14,7 +14,7 @@ import pytest
 
 from clusters import TESTS, run_driver
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]  # raylets of their own
 
 TWO_NODES = """
     import ray

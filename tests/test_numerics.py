@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
 
 @pytest.mark.parametrize(
     "kind, workers, optimizer",
-    [("dp", 2, sgd), ("mp", 2, adamw), ("dpmp", 4, sgd), ("dpmp", 4, adamw)],
+    [("dp", 2, sgd), ("mp", 2, adamw), pytest.param("dpmp", 4, sgd, marks=pytest.mark.slow), ("dpmp", 4, adamw)],
 )
 def test_training_matches_single_process(kind, workers, optimizer):
     data = batches(6)
@@ -27,6 +27,7 @@ def test_training_matches_single_process(kind, workers, optimizer):
         assert_close(params[name], value, what=name)
 
 
+@pytest.mark.slow
 def test_modes_switch_and_training_resumes():
     """train -> eval -> predict -> train -> predict -> eval, each against the reference."""
     data = batches(5, seed=3)
@@ -54,6 +55,7 @@ def test_modes_switch_and_training_resumes():
         assert_close(params[name], value, what=name)
 
 
+@pytest.mark.slow
 def test_eval_and_predict_without_optimizer():
     """Paddle 3.3.1 cannot run a DistModel without an optimizer; raydist can."""
     x, y = batches(1)[0]

@@ -6,7 +6,8 @@ import pytest
 
 import faults
 import raydist
-from models import Reference, adamw, assert_close, batches, build, sgd
+from helpers import wait_gone
+from models import Reference, adamw, assert_close, batches, build
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -16,6 +17,7 @@ def dm_of(kind, workers, optimizer=adamw, **kwargs):
                              **kwargs)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_state_round_trip_and_pretrained_weights():
     data = batches(3)
     ref = Reference(adamw(), seed=5)  # other weights than the model starts with
@@ -52,6 +54,7 @@ def test_set_state_dict_misuse_is_refused_and_the_model_goes_on():
         assert_close(dm(*data[1]), ref.train(*data[1]))
 
 
+@pytest.mark.slow
 def test_save_and_load_on_the_same_and_other_meshes(tmp_path):
     data = batches(4)
     ref = Reference(adamw())
@@ -77,6 +80,7 @@ def test_save_and_load_on_the_same_and_other_meshes(tmp_path):
                 other.load(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     class Wide(paddle.nn.Layer):
         def __init__(self):
@@ -95,6 +99,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         float(dm(x, y))  # still usable
 
 
+@pytest.mark.slow
 def test_a_save_killed_halfway_leaves_the_old_checkpoint_intact(tmp_path):
     """Rank 1 dies after writing its shard file, before the rename and the manifest."""
     x, y = batches(1)[0]
@@ -110,8 +115,6 @@ def test_a_save_killed_halfway_leaves_the_old_checkpoint_intact(tmp_path):
         dm.save(str(tmp_path / "new"))
     assert info.value.rank == 1 and info.value.died and info.value.during == "save_pieces"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nothing half-written, nothing that looks complete
-    from test_failures import wait_gone
-
     wait_gone(pids)
     with dm_of("mp", 2) as fresh:
         fresh.load(str(tmp_path / "old"))

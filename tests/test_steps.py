@@ -8,7 +8,9 @@ import numpy as np
 import paddle
 import pytest
 
+import faults
 import raydist
+from helpers import DPMP_MESH, Poisoned, rows
 from raydist.driver.steps import Loss, Window
 from models import Reference, assert_close, batches, build, sgd
 
@@ -108,15 +110,31 @@ def test_loss_acts_as_a_float():
     assert sum([loss, loss]) == 0.5 and np.mean([loss, loss]) == 0.25 and loss.done and loss.item() == 0.25
 
 
+STEP_S = 0.5  # what `faults.slow_steps` adds to every step of the test below
+
+
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("dispatch", ["compiled", "calls", "tree"])
 def test_steps_run_ahead_and_match_single_process(dispatch):
+    """Every step takes STEP_S more on the ranks (`faults.slow_steps`): each call returns before
+    its step is done, at once while fewer than max_in_flight steps run; the losses, outputs and
+    parameters are those of one process."""
     data = batches(6)
     ref = Reference(sgd())
+    env = faults.hook("slow_steps")
+    env["env_vars"]["RAYDIST_TEST_STEP_S"] = str(STEP_S)
     with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4,
-                           max_in_flight=3, dispatch=dispatch) as dm:  # fmt: skip
-        losses = [dm(x, y) for x, y in data]  # returns before the steps are done
+                           max_in_flight=3, dispatch=dispatch, runtime_env=env) as dm:  # fmt: skip
+        losses, took = [], []
+        for x, y in data:
+            start = time.monotonic()
+            losses.append(dm(x, y))
+            took.append(time.monotonic() - start)
+            assert not losses[-1].done, f"step {len(losses) - 1} was done when its call returned"
+        # steps 1 and 2 found room among the 3 in flight: sent, not waited for (3-5 wait for the oldest)
+        assert max(took[1:3]) < STEP_S / 2, took
         assert dm._client.transport == dispatch
         for step, (loss, (x, y)) in enumerate(zip(losses, data)):
             assert_close(loss, ref.train(x, y), what=f"step {step}")
@@ -127,13 +145,12 @@ def test_steps_run_ahead_and_match_single_process(dispatch):
         assert_close(params[name], value, what=name)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dispatch", ["compiled", "calls", "tree"])
 def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
-    from test_data import MESH, Poisoned
-
-    loader = raydist.shard_dataloader(Poisoned(40), MESH, shard_dims="dp", batch_size=8, prefetch=1)
+    loader = raydist.shard_dataloader(Poisoned(40), DPMP_MESH, shard_dims="dp", batch_size=8, prefetch=1)
     with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4, dispatch=dispatch,
                            steps_per_message=3) as dm:  # fmt: skip
         start = time.monotonic()
@@ -146,11 +163,10 @@ def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
         assert dm._client.window.messages == 3  # steps 0, 1, then 2-4 together: 3 fails inside a message
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
 def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_step():
-    import faults
-
     data = batches(10)
     ref = Reference(sgd())
     expected = [ref.train(x, y) for x, y in data]
@@ -175,6 +191,7 @@ def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_
             float(losses[2])  # 2-4 went with 5, in the message that failed
 
 
+@pytest.mark.slow
 def test_auto_dispatch_uses_calls_on_cpu_and_compiled_is_asked_for():
     x, y = batches(1)[0]
     for dispatch, expected in [("auto", "calls"), ("compiled", "compiled")]:
@@ -196,8 +213,6 @@ class Slow(paddle.io.Dataset):
     """Tuple rows; reading row ``row`` takes ``seconds``: the step that needs it waits."""
 
     def __init__(self, n, row, seconds):
-        from test_data import rows
-
         self.x, self.y = rows(n)
         self.row, self.seconds = row, seconds
 
@@ -221,6 +236,7 @@ def loader_reference(data, steps, optimizer):
     return out, ref
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("dispatch", ["calls", "compiled"])

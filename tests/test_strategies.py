@@ -79,7 +79,8 @@ def sharded_adamw(stage: int, kind: str):
     return make
 
 
-@pytest.mark.parametrize("stage, kind, workers", [(1, "dp", 2), (2, "dp", 2), (3, "dp", 2), (1, "dpmp", 4)])
+@pytest.mark.parametrize("stage, kind, workers",
+                         [(1, "dp", 2), (2, "dp", 2), (3, "dp", 2), pytest.param(1, "dpmp", 4, marks=pytest.mark.slow)])
 def test_sharding_stages_equal_one_process(stage, kind, workers):
     """On CPU the reduce-scatter runs as raydist's all-reduce-and-slice op (compat.collectives)."""
     with raydist.to_static(build(kind), loss=paddle.nn.MSELoss(), optimizer=sharded_adamw(stage, kind),
@@ -88,6 +89,7 @@ def test_sharding_stages_equal_one_process(stage, kind, workers):
         assert '"pd_op.reduce_scatter"' in dm.dist_main_program()  # the gradients were sharded
 
 
+@pytest.mark.slow
 def test_the_strategys_sharding_section_shards_the_optimizer():
     """Paddle 3.3.1's PIR engine ignores strategy.sharding; raydist applies it with dist.shard_optimizer."""
     strategy = dist.Strategy()
@@ -173,6 +175,7 @@ def test_sections_paddle_ignores_are_named():
         raydist_strategy.check(_strategy(dp_optimization={"enable": True}), use_gpu=False)
 
 
+@pytest.mark.slow
 def test_fused_passes_change_nothing_on_cpu():
     """Paddle runs the fused_passes over the dense program; on CPU none of these fuses anything.
 

@@ -69,6 +69,7 @@ def _trainer_class():
     return DataParallelTrainer
 
 
+@pytest.mark.slow
 def test_a_paddle_loop_under_ray_train_survives_a_failure_and_equals_one_process(tmp_path):
     x, y = _data()
     trainer = _trainer_class()(

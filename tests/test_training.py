@@ -6,27 +6,13 @@ import paddle
 import pytest
 
 import raydist
+from helpers import KillOnce, Pairs, scheduled_sgd, wait_gone
 from models import Reference, assert_close, batches, build
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
 
-def schedule(kind: str):
-    """A fresh scheduler of ``kind`` (each optimizer gets its own, as each rank does)."""
-    lr = paddle.optimizer.lr
-    if kind == "step":
-        return lr.StepDecay(0.1, step_size=2, gamma=0.5)
-    if kind == "warmup-cosine":
-        return lr.LinearWarmup(lr.CosineAnnealingDecay(0.1, T_max=6), warmup_steps=3, start_lr=0.0, end_lr=0.1)
-    if kind == "plateau":
-        return lr.ReduceOnPlateau(0.1, patience=0, factor=0.5)
-    raise ValueError(kind)
-
-
-def scheduled_sgd(kind: str):
-    return lambda params: paddle.optimizer.SGD(learning_rate=schedule(kind), parameters=params)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["step", "warmup-cosine", "plateau"])
 def test_a_schedule_stepped_from_the_driver_equals_one_process(kind):
     data = batches(7, seed=4)
@@ -60,6 +46,7 @@ def test_a_float_learning_rate_has_no_scheduler():
         assert dm.lr_scheduler is None
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_the_schedules_position(tmp_path):
     data = batches(6, seed=5)
     ref = Reference(scheduled_sgd("step"))
@@ -144,6 +131,7 @@ def _as_list(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+@pytest.mark.slow
 def test_evaluate_reports_accuracy_top1_and_topk_as_one_process():
     x, y = labelled(48)
     batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 48, 8)]
@@ -159,6 +147,7 @@ def test_evaluate_reports_accuracy_top1_and_topk_as_one_process():
         assert dm.evaluate(batches) == pytest.approx(result)  # metrics are reset for each evaluation
 
 
+@pytest.mark.slow
 def test_evaluate_over_a_loader_and_precision_of_a_binary_classifier():
     import ray
 
@@ -217,8 +206,6 @@ class Recorder(paddle.callbacks.Callback):
 
 
 def pairs_loader(n=32, **kwargs):
-    from test_data import Pairs
-
     return raydist.shard_dataloader(Pairs(n), dp_mesh(), shard_dims="dp", batch_size=8, **kwargs)
 
 
@@ -226,8 +213,6 @@ def reference_run(optimizer, epochs, n=32, lrs=None):
     """One process on the loader's global batches (rows 8k..8k+7 of Pairs, in order); the losses.
 
     ``lrs``: a float learning rate per step to set before it (when a callback changed it)."""
-    from test_data import Pairs
-
     data, ref, losses = Pairs(n), Reference(optimizer), []
     for epoch in range(epochs):
         for k in range(n // 8):
@@ -239,6 +224,7 @@ def reference_run(optimizer, epochs, n=32, lrs=None):
     return losses, ref
 
 
+@pytest.mark.slow
 def test_fit_steps_the_schedule_every_step_and_callbacks_see_each_loss_and_learning_rate():
     recorder = Recorder()
     with raydist.to_static(build("dp"), pairs_loader(), paddle.nn.MSELoss(), scheduled_sgd("step"),
@@ -262,8 +248,6 @@ def test_fit_steps_the_schedule_by_epoch_when_paddles_lr_callback_says_so():
                            num_workers=2) as dm:  # fmt: skip
         history = dm.fit(pairs_loader(), epochs=3, progress=False, callbacks=[by_epoch, recorder])
     assert [b[2] for b in recorder.batches] == pytest.approx([0.1] * 8 + [0.05] * 4)
-    from test_data import Pairs
-
     data, ref, expected = Pairs(32), Reference(scheduled_sgd("step")), []
     for epoch in range(3):
         for k in range(4):
@@ -272,7 +256,10 @@ def test_fit_steps_the_schedule_by_epoch_when_paddles_lr_callback_says_so():
     assert_close(history, expected)
 
 
+@pytest.mark.slow
 def test_evaluation_in_the_middle_of_fit_leaves_training_unchanged():
+    """Two runs, one evaluating after steps 3 and 6: the same losses and state bit for bit,
+    both those of one process, and the evaluations those of one process at those steps."""
     recorder = Recorder()
     runs = {}
     for evaluating in (False, True):
@@ -284,9 +271,22 @@ def test_evaluation_in_the_middle_of_fit_leaves_training_unchanged():
     assert runs[True][0] == runs[False][0]
     for name, value in runs[False][1].items():
         np.testing.assert_array_equal(runs[True][1][name], value, err_msg=name)
+    data, held_out, ref = Pairs(32), Pairs(16), Reference(scheduled_sgd("step"))
+    expected, evals = [], []
+    for epoch in range(2):
+        for k in range(4):  # the loader's global batches: rows 8k..8k+7
+            expected.append(ref.train(data.x[8 * k : 8 * k + 8], data.y[8 * k : 8 * k + 8]))
+            ref.opt._learning_rate.step()
+            if len(expected) % 3 == 0:  # the evaluation loader's two batches of 8: the mean over its rows
+                evals.append(ref.eval(held_out.x, held_out.y))
+    assert_close(runs[False][0], expected)
+    for name, value in ref.params().items():
+        assert_close(runs[False][1][name], value, what=name)
     assert len(recorder.evals) == 2 and all(set(e) == {"loss"} for e in recorder.evals)  # after steps 3 and 6
+    assert_close([e["loss"] for e in recorder.evals], evals)
 
 
+@pytest.mark.slow
 def test_early_stopping_ends_the_run():
     stop = paddle.callbacks.EarlyStopping(monitor="loss", mode="min", patience=0, baseline=0.0, save_best_model=False)
     with raydist.to_static(build("dp"), pairs_loader(), paddle.nn.MSELoss(), scheduled_sgd("step"),
@@ -308,26 +308,38 @@ def test_paddles_reduce_lr_on_plateau_callback_lowers_a_float_learning_rate_on_t
     assert_close(history, expected)
 
 
-def test_a_run_that_lost_a_rank_has_the_learning_rates_of_one_that_did_not(tmp_path):
-    from test_fit import KillOnce
+@pytest.mark.slow
+def test_steps_replayed_after_a_lost_rank_are_reported_again_with_the_losses_and_rates_of_one_process(tmp_path):
+    """mp2 (no rank holds another's shard, so the run goes back to its last checkpoint), 2 epochs
+    of 8 steps, checkpoints every 3; the rank reading row 41 (step 5's) is killed once, as step 4
+    runs (prefetch=1: batch 5 is read as step 4 takes batch 4). The callbacks are told of steps
+    0 to f-1, then, from the checkpoint of step 3, of steps 3 to 15: steps 3 to f-1 again, with
+    the same losses and learning rates. Every report, the history and the parameters are those
+    of one process."""
+    import paddle.distributed as dist
 
-    runs = {}
-    for hurt in (False, True):
-        from test_data import Pairs
-
-        data = KillOnce(32, row=21, marker=str(tmp_path / "killed")) if hurt else Pairs(32)
-        recorder = Recorder()
-        loader = raydist.shard_dataloader(data, dp_mesh(), shard_dims="dp", batch_size=8)
-        with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), scheduled_sgd("step"), num_workers=2) as dm:
-            runs[hurt] = dm.fit(loader, epochs=2, checkpoint_every=3, checkpoint_dir=str(tmp_path / str(hurt)),
-                                max_failures=1, progress=False, callbacks=[recorder]), recorder  # fmt: skip
-    assert (tmp_path / "killed").exists()
-    assert runs[True][0] == runs[False][0]
-    lrs = {hurt: {} for hurt in runs}
-    for hurt, (_, recorder) in runs.items():
-        for i, (step, loss, lr) in enumerate(recorder.batches):
-            lrs[hurt][loss] = lr  # steps replayed after the restart report again, with the same rate
-    assert lrs[True] == lrs[False]
+    recorder = Recorder()
+    data = KillOnce(64, row=41, marker=str(tmp_path / "killed"))
+    loader = raydist.shard_dataloader(data, dist.ProcessMesh([0, 1], dim_names=["mp"]), batch_size=8, prefetch=1)
+    with raydist.to_static(build("mp"), loader, paddle.nn.MSELoss(), scheduled_sgd("step"), num_workers=2,
+                           max_in_flight=1, steps_per_message=1) as dm:  # fmt: skip
+        history = dm.fit(loader, epochs=2, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"), max_failures=1,
+                         progress=False, callbacks=[recorder])  # fmt: skip
+        params = dm.state_dict("param")
+    assert (tmp_path / "killed").exists()  # a rank did die
+    expected, ref = reference_run(scheduled_sgd("step"), epochs=2, n=64)
+    assert_close(history, expected)
+    for name, value in ref.params().items():
+        assert_close(params[name], value, what=name)
+    rates = [0.1 * 0.5 ** (g // 2) for g in range(16)]  # StepDecay(0.1, step_size=2, gamma=0.5), stepped per step
+    reports = recorder.batches  # (step in its epoch, loss, learning rate), in the order fit told them
+    failed_at = len(reports) - 16 + 3  # f: reported before the failure; from step 3 on, once more
+    assert failed_at > 3, reports  # step 3 (at least) was reported, then replayed
+    steps = list(range(failed_at)) + list(range(3, 16))
+    assert [step for step, _, _ in reports] == [g % 8 for g in steps], reports
+    assert_close([loss for _, loss, _ in reports], [expected[g] for g in steps])
+    assert [lr for _, _, lr in reports] == pytest.approx([rates[g] for g in steps])
+    assert reports[3:failed_at] == reports[failed_at : 2 * failed_at - 3]  # the same losses and rates, exactly
 
 
 # -- Ray Tune ------------------------------------------------------------------------------
@@ -355,6 +367,7 @@ def tune_trainable(config):
                          "driver": os.getpid(), "started": started, "at": time.time()})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_ray_tune_trials_train_side_by_side_and_asha_stops_one_freeing_its_ranks(tmp_path):
     import sys
 
@@ -363,7 +376,6 @@ def test_two_ray_tune_trials_train_side_by_side_and_asha_stops_one_freeing_its_r
     from ray.tune.schedulers import ASHAScheduler
 
     import models
-    from test_failures import wait_gone
 
     for module in (sys.modules[__name__], models):  # Tune's workers cannot import tests/
         ray.cloudpickle.register_pickle_by_value(module)
@@ -415,6 +427,7 @@ def test_paddles_progbar_logger_prints_the_steps(capsys):
     assert f"loss: {history[-1]:.4f}" in out  # Paddle's own format: its last step's loss
 
 
+@pytest.mark.slow
 def test_paddles_wandb_callback_logs_offline(tmp_path, monkeypatch):
     """A real offline wandb run; what the callback hands it is recorded on the way."""
     monkeypatch.setenv("WANDB_SILENT", "true")
