@@ -11,6 +11,7 @@ switches modes, sends batches and gathers results::
 
 from .data import Handle, ShardDataloader, shard_dataloader
 from .driver.model import DistModel, to_static
+from .driver.runs import CheckpointInfo, latest_checkpoint
 from .driver.status import RankStatus, status
 from .driver.steps import Loss
 from .errors import GroupShutdownError, RankError, UsageError
@@ -18,6 +19,7 @@ from .errors import GroupShutdownError, RankError, UsageError
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointInfo",
     "DistModel",
     "GroupShutdownError",
     "Handle",
@@ -26,6 +28,7 @@ __all__ = [
     "RankStatus",
     "ShardDataloader",
     "UsageError",
+    "latest_checkpoint",
     "shard_dataloader",
     "status",
     "to_static",

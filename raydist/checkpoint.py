@@ -91,6 +91,43 @@ def listing(path: str) -> list[str]:
     return [posixpath.basename(i.path) for i in filesystem.get_file_info(pafs.FileSelector(where))]
 
 
+def complete(directory: str, prefix: str = "step-") -> list[str]:
+    """The complete checkpoints in ``directory`` whose names start with ``prefix``, oldest first
+    (by name: raydist's are zero-padded). A staging directory (``*.saving-*``) is never one."""
+    if not exists(directory):
+        return []
+    filesystem, where = open_dir(directory)
+    names = sorted(n for n in listing(directory) if n.startswith(prefix) and ".saving-" not in n)
+    found = filesystem.get_file_info([posixpath.join(where, n, MANIFEST) for n in names])
+    return [posixpath.join(directory, n) for n, info in zip(names, found) if info.type == pafs.FileType.File]
+
+
+def staged(directory: str) -> list[str]:
+    """Staging directories in ``directory``: saves that never completed."""
+    return [posixpath.join(directory, n) for n in listing(directory) if ".saving-" in n] if exists(directory) else []
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write a small JSON file whole or not at all (a local file is renamed into place)."""
+    filesystem, where = open_dir(path)
+    text = json.dumps(data, indent=1, default=_plain).encode()
+    temp = where if "://" in path and not path.startswith("file://") else f"{where}.writing-{uuid.uuid4().hex[:8]}"
+    with filesystem.open_output_stream(temp) as out:
+        out.write(text)
+    if temp != where:
+        filesystem.move(temp, where)
+
+
+def read_json(path: str) -> Any | None:
+    """A JSON file's content, or None if there is none."""
+    filesystem, where = open_dir(path)
+    try:
+        with filesystem.open_input_file(where) as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, OSError):
+        return None
+
+
 def remove(path: str) -> None:
     """Delete a directory (best effort)."""
     filesystem, where = open_dir(path)

@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from helpers import wait_gone
 from raydist.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 pytestmark = [pytest.mark.timeout(900), pytest.mark.cluster]  # a Ray head of their own
 
 
@@ -56,7 +59,7 @@ def head(tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "the head's job server did not come up"
             time.sleep(1)
-        yield url, token, env
+        yield url, token, {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}  # the CLI and clients are given the url
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -116,3 +119,93 @@ def test_job_submission_client(head):
     logs = client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     _check_quickstart_output(logs)
+
+
+# -- a run that outlives its driver: tests/resumable.py, killed and run again -------------------
+
+
+def _resumable(env: dict, directory: Path, out: Path, hang_after: int = 0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(TESTS / "resumable.py")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**env, "PYTHONPATH": str(TESTS), "CKPT_DIR": str(directory), "OUT": str(out),
+                                 "HANG_AFTER": str(hang_after)})  # fmt: skip
+
+
+def _finish(process: subprocess.Popen) -> str:
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, out[-4000:]
+    return out
+
+
+def _ranks(lines) -> list[int]:
+    """The PIDs the script prints once it waits to be killed."""
+    for line in lines:
+        if line.startswith("ranks "):
+            return json.loads(line[len("ranks ") :])
+    raise AssertionError("the script ended without printing its ranks")
+
+
+def _same_run(out: Path, calm: Path) -> None:
+    import numpy as np
+
+    got, want = np.load(out), np.load(calm)
+    assert sorted(got.files) == sorted(want.files)
+    for name in want.files:  # the 12 losses, then every parameter
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def calm(head, tmp_path_factory):
+    """tests/resumable.py run through undisturbed: its losses and parameters."""
+    tmp = tmp_path_factory.mktemp("calm")
+    _finish(_resumable(head[2], tmp / "ck", tmp / "calm.npz"))
+    return tmp / "calm.npz"
+
+
+def test_a_killed_driver_takes_its_ranks_and_the_script_run_again_ends_as_an_undisturbed_run(head, calm, tmp_path):
+    """SIGKILL the driver after step 5 (checkpoints every 2 steps): its ranks are gone within seconds;
+    the script run again resumes after step 4 and ends with the losses and parameters of the calm run."""
+    env = head[2]
+    process = _resumable(env, tmp_path / "ck", tmp_path / "run.npz", hang_after=5)
+    pids = _ranks(process.stdout)
+    process.kill()
+    killed = time.monotonic()
+    process.wait()
+    wait_gone(pids, timeout=30)
+    print(f"ranks gone {time.monotonic() - killed:.1f} s after the driver's SIGKILL")
+    again = _finish(_resumable(env, tmp_path / "ck", tmp_path / "run.npz"))
+    assert "done after 12 steps" in again, again[-3000:]
+    assert "resuming the run" in again and "after 4 steps" in again, again[-3000:]
+    _same_run(tmp_path / "run.npz", calm)
+
+
+def test_a_stopped_job_submitted_again_ends_as_an_undisturbed_run(head, calm, tmp_path):
+    """ray job submit; ray job stop after step 5; ray job submit again: the calm run's numbers."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    url, token, env = head
+    client = JobSubmissionClient(url, headers=_auth(token))
+    runtime_env = {"working_dir": str(TESTS), "env_vars": {"CKPT_DIR": str(tmp_path / "ck"),
+                                                            "OUT": str(tmp_path / "job.npz")}}  # fmt: skip
+
+    def submit(*flags: str, hang_after: int = 0) -> subprocess.CompletedProcess:
+        job_env = {**runtime_env, "env_vars": {**runtime_env["env_vars"], "HANG_AFTER": str(hang_after)}}
+        return subprocess.run([*RAY, "job", "submit", "--address", url, "--runtime-env-json", json.dumps(job_env),
+                               *flags, "--", sys.executable, "resumable.py"],
+                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+
+    first = f"resumable-{secrets.token_hex(4)}"
+    assert submit("--no-wait", "--submission-id", first, hang_after=5).returncode == 0
+    deadline = time.monotonic() + 300
+    while "ranks [" not in (logs := client.get_job_logs(first)):
+        status = client.get_job_status(first)
+        assert status in (JobStatus.PENDING, JobStatus.RUNNING) and time.monotonic() < deadline, (status, logs[-3000:])
+        time.sleep(1)
+    pids = _ranks(logs.splitlines())
+    stop = subprocess.run([*RAY, "job", "stop", "--address", url, first], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert stop.returncode == 0 and client.get_job_status(first) == JobStatus.STOPPED, stop.stdout + stop.stderr
+    wait_gone(pids, timeout=30)
+    again = submit()
+    assert again.returncode == 0 and "done after 12 steps" in again.stdout, (again.stdout + again.stderr)[-3000:]
+    _same_run(tmp_path / "job.npz", calm)

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from .. import checkpoint
 from ..errors import RankError
+from . import runs
 
 if TYPE_CHECKING:
     from ..data import ShardDataloader
@@ -60,26 +61,41 @@ def fit(
     callbacks: Sequence[Any] | None = None,
     eval_loader: Any = None,
     eval_every: int | None = None,
+    resume: bool = False,
+    keep_last: int | None = None,
 ) -> list[float]:
-    if (checkpoint_every or max_failures) and not checkpoint_dir:
-        raise ValueError("checkpoint_every and max_failures need a checkpoint_dir")
-    if checkpoint_dir and checkpoint.exists(checkpoint_dir) and checkpoint.listing(checkpoint_dir):
-        raise ValueError(f"checkpoint_dir {checkpoint_dir} is not empty: give each fit a directory of its own")
+    if (checkpoint_every or max_failures or resume or keep_last) and not checkpoint_dir:
+        raise ValueError("checkpoint_every, max_failures, resume and keep_last need a checkpoint_dir")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int (the newest checkpoints to keep), got {keep_last!r}")
     if eval_every is not None and eval_loader is None:
         raise ValueError("eval_every needs an eval_loader")
     if eval_loader is not None and eval_loader is loader:
         raise ValueError("eval_loader must be a loader of its own: evaluating on the training loader ends its epoch")
+    found = _found(checkpoint_dir, resume)
     total = len(loader) * epochs if steps is None else min(steps, len(loader) * epochs)
     if dm.mode != "train":
         dm.train()
     run = _Run(dm, life, rates, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every)
-    run.callbacks = _callbacks(callbacks, run, loader, epochs, total)
-    if max_failures:
+    run.keep_last = keep_last
+    run.identity = runs.identity(loader, life.state.meta("param"))
+    user_callbacks = list(callbacks or [])
+    if found is not None:
+        _check_same_run(found, run.identity, checkpoint_dir)
+        dm.load(found.path)
+        if found.finished:
+            log.warning("raydist: the run in %s has finished (%d steps); nothing to do", checkpoint_dir, found.steps)
+            return found.history
+    run.callbacks = _callbacks(user_callbacks, run, loader, epochs, total)
+    run.user_callbacks = user_callbacks
+    if found is None and max_failures:
         run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
     failures = 0
     with tqdm(total=total, unit="step", disable=not progress, desc="fit") as bar:
         run.bar = bar
         run.callbacks.on_begin("train", {})
+        if found is not None:
+            run.go_on_from(found)
         while True:
             try:
                 run.go()
@@ -96,8 +112,36 @@ def fit(
                     run.go_on()
                 else:
                     run.rewind()
+        if checkpoint_dir:
+            run.finish()
         run.callbacks.on_end("train", run.logs)
     return run.history
+
+
+def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":
+    """With ``resume``: the run in ``directory`` to go on with (None: start one); without it, an empty directory."""
+    if not directory or not checkpoint.exists(directory) or not checkpoint.listing(directory):
+        return None
+    if not resume:
+        raise ValueError(f"checkpoint_dir {directory} is not empty: give each fit a directory of its own, "
+                         "or pass resume=True to go on with the run in it")  # fmt: skip
+    found = runs.latest_checkpoint(directory)
+    leftovers = checkpoint.staged(directory)
+    if found is None and len(leftovers) < len(checkpoint.listing(directory)):
+        raise ValueError(f"checkpoint_dir {directory} holds no complete raydist checkpoint, but other files: "
+                         f"{sorted(checkpoint.listing(directory))[:5]}")  # fmt: skip
+    if found is not None and "fit" not in found.record:
+        raise ValueError(f"{found.path} was not written by fit (DistModel.save): resume=True goes on with a fit's run")
+    for staged in leftovers:  # saves a dead driver never completed
+        checkpoint.remove(staged)
+    return found
+
+
+def _check_same_run(found: "runs.CheckpointInfo", identity: dict, directory: str) -> None:
+    differ = runs.differences(found.record["fit"]["identity"], identity)
+    if differ:
+        raise ValueError(f"checkpoint_dir {directory} holds a run of another model or loader ({found.path}); "
+                         + "; ".join(differ))  # fmt: skip
 
 
 class _Regrouped(Exception):
@@ -130,6 +174,22 @@ class _Run:
         self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
         self.stop_training = False  # set by callbacks (EarlyStopping), through the model they see
         self.logs: dict[str, Any] = {}
+        self.keep_last: int | None = None
+        self.identity: dict[str, Any] = {}
+        self.user_callbacks: list[Any] = []
+
+    def go_on_from(self, found: "runs.CheckpointInfo") -> None:
+        """Where a checkpoint of this run left it (the model was loaded from it)."""
+        record = found.record["fit"]
+        self.history = list(record["history"])
+        self.position = tuple(record["position"])
+        self.resume = (*self.position, len(self.history))
+        self.ended = record["ended"]
+        runs.restore_callbacks(self.user_callbacks, record["callbacks"])
+        self.bar.n = len(self.history)
+        self.bar.refresh()
+        log.warning("raydist: resuming the run in %s after %d steps, at epoch %d step %d", self.directory,
+                    len(self.history), *self.position)  # fmt: skip
 
     def go(self) -> None:
         epoch0, step0 = self.position
@@ -152,12 +212,12 @@ class _Run:
                 self._collect(pending, wait=False)
                 done = len(self.history) + len(pending)
                 last = step + 1 == len(self.loader)
-                if self.every and done % self.every == 0:
-                    self._collect(pending, wait=True)
-                    self.checkpoint(epoch + 1 if last else epoch, 0 if last else step + 1)
                 if self.eval_every and done % self.eval_every == 0:
                     self._collect(pending, wait=True)
                     self.evaluate()
+                if self.every and done % self.every == 0:  # after the evaluation: its callbacks' state is kept
+                    self._collect(pending, wait=True)
+                    self.checkpoint(epoch + 1 if last else epoch, 0 if last else step + 1)
                 if done >= self.total or self.stop_training:
                     self._collect(pending, wait=True)
                     if last:
@@ -206,10 +266,25 @@ class _Run:
             self.bar.set_postfix(loss=f"{self.history[-1]:.4f}", refresh=False)
 
     def checkpoint(self, epoch: int, step: int) -> None:
+        """Save, with where the run stands (data position, history, ended epochs, callbacks' state)."""
         done = len(self.history)
         self.stood_still = True
-        self.dm.save(posixpath.join(self.directory, f"step-{done:08d}"))
+        record = {"identity": self.identity, "position": [epoch, step], "steps": done, "history": self.history,
+                  "ended": self.ended, "callbacks": runs.callback_states(self.user_callbacks)}  # fmt: skip
+        self.dm.save(posixpath.join(self.directory, f"step-{done:08d}"), position=(epoch, step), record={"fit": record})
         self.resume = (epoch, step, done)
+        if self.keep_last:
+            for old in checkpoint.complete(self.directory)[: -self.keep_last]:
+                checkpoint.remove(old)
+
+    def finish(self) -> None:
+        """The run's end: its state saved (unless the newest checkpoint has it), then finished.json naming it."""
+        done = len(self.history)
+        newest = checkpoint.complete(self.directory)
+        if not newest or self.resume[2] != done or posixpath.basename(newest[-1]) != f"step-{done:08d}":
+            self.checkpoint(*divmod(done, len(self.loader)))
+        checkpoint.write_json(posixpath.join(self.directory, runs.FINISHED),
+                              {"checkpoint": f"step-{done:08d}", "steps": done})  # fmt: skip
 
     def keep_completed(self) -> None:
         """After a failure: the losses of the steps that completed before it."""

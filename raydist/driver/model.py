@@ -285,18 +285,23 @@ class DistModel:
         """
         self._state.set_state_dict(state)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, position: tuple[int, int] | None = None, record: dict | None = None) -> None:
         """Write a distributed checkpoint to ``path`` (a new local directory or a pyarrow.fs URI).
 
         Every rank writes its own shards, in parallel; the manifest keeps the
-        step, the mode and the learning rate's position. See `raydist.checkpoint`.
+        step, the mode and the learning rate's position. ``position`` (the
+        loader's epoch and the step in it to go on from) and ``record`` (any
+        JSON-able dict, e.g. your loop's losses) are kept too, for
+        `raydist.latest_checkpoint` to give back. See `raydist.checkpoint`.
         """
         import paddle
 
         from .. import __version__
 
+        if position is not None:
+            position = [int(p) for p in position]
         self._state.save(path, step=self._client.window.submitted, mode=self.mode, raydist=__version__,
-                         paddle=paddle.__version__)  # fmt: skip
+                         paddle=paddle.__version__, position=position, record=record or {})  # fmt: skip
 
     def load(self, path: str) -> None:
         """Restore parameters, optimizer state and the learning rate from a checkpoint `save` wrote, on any mesh.
@@ -318,6 +323,8 @@ class DistModel:
         callbacks: Sequence[Any] | None = None,
         eval_loader: Any = None,
         eval_every: int | None = None,
+        resume: bool = False,
+        keep_last: int | None = None,
     ) -> list[float]:
         """Train on ``loader`` for ``epochs`` (or ``steps``), surviving up to ``max_failures`` rank failures.
 
@@ -331,12 +338,22 @@ class DistModel:
         `RankError` restarts the ranks, restores the newest state (see `restart`)
         and resumes the data where it stood; an elastic model grows at the first
         step boundary after room for more ranks shows. Returns the loss of every
-        step. See `raydist.driver.fit`.
+        step.
+
+        With a ``checkpoint_dir``, the run's end is saved there too (and
+        ``finished.json``). ``resume=True`` goes on with the run in
+        ``checkpoint_dir`` from its newest complete checkpoint (a driver that
+        died, a job run again): parameters, optimizer state, the schedule, the
+        data's epoch, step and order, the loss history and the callbacks' state,
+        so it ends as an undisturbed run would; an empty directory starts the run,
+        a finished one returns its history (the model holds its final state), and
+        one of another model or loader is refused, saying how it differs.
+        ``keep_last=N`` keeps only the newest N checkpoints. See `raydist.driver.fit`.
         """
         from .fit import fit
 
         return fit(self, self._life, self._rates, loader, epochs, steps, checkpoint_every, checkpoint_dir,
-                   max_failures, progress, callbacks, eval_loader, eval_every)  # fmt: skip
+                   max_failures, progress, callbacks, eval_loader, eval_every, resume, keep_last)  # fmt: skip
 
     # -- lifetime --------------------------------------------------------------
 
