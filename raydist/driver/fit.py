@@ -19,7 +19,7 @@ schedule step is sent with the next step, so the next step uses it, as in one
 process. An elastic model grows at the first step boundary after room for a
 larger size shows (`raydist.driver.lifecycle.RoomWatch`). The loop is a client
 of public methods only: the model's (calls, ``evaluate``, ``save``,
-``lr_scheduler``), its `Lifecycle`'s (``restart``, ``can_grow``, ``resize``) and
+``lr_scheduler``), its `Lifecycle`'s (``restart``, ``at_boundary``) and
 its `LearningRate`'s (``now``, ``set``).
 """
 
@@ -103,10 +103,14 @@ def fit(
             except _Regrouped:
                 continue
             except RankError as e:
-                failures += 1
-                if failures > max_failures:
-                    raise
-                log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
+                if run.preempted:  # the node of the notice went: expected, checkpointed, not a failure
+                    run.preempted = False
+                    log.warning("raydist: %s; restarting the ranks after the preemption notice", e)
+                else:
+                    failures += 1
+                    if failures > max_failures:
+                        raise
+                    log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
                 run.keep_completed()
                 if life.restart():
                     run.go_on()
@@ -175,6 +179,7 @@ class _Run:
         self.stop_training = False  # set by callbacks (EarlyStopping), through the model they see
         self.logs: dict[str, Any] = {}
         self.keep_last: int | None = None
+        self.preempted = False  # a preemption notice came that the group could not move off
         self.identity: dict[str, Any] = {}
         self.user_callbacks: list[Any] = []
 
@@ -203,7 +208,7 @@ class _Run:
                 self.callbacks.on_epoch_begin(epoch, {})
             for step, batch in enumerate(self.loader.epoch(epoch, first), first):
                 if step > first:
-                    self._grow(pending, epoch, step)
+                    self._boundary(pending, epoch, step)
                 self.callbacks.on_batch_begin("train", step, {})
                 lr = self.rates.now()
                 pending.append(_Sent(self.dm(*(batch.values() if isinstance(batch, dict) else batch)), epoch, step, lr))
@@ -228,20 +233,21 @@ class _Run:
             if self.stop_training:
                 return
 
-    def _grow(self, pending: collections.deque, epoch: int, step: int) -> None:
-        """At a step boundary: move an elastic model to a larger group once the cluster has shown
-        room for one, and go on from ``step``."""
+    def _boundary(self, pending: collections.deque, epoch: int, step: int) -> None:
+        """Between two steps: let the lifecycle act on a preemption notice or grow (`Lifecycle.at_boundary`),
+        the losses in flight collected first. A move or a growth goes on from ``step`` with the new group;
+        a notice it could not act on is a checkpoint now (and the node's loss that follows no failure)."""
         # the loop stood still for a save or an evaluation: a node may have joined meanwhile
-        size = self.life.can_grow(look=self.stood_still)
-        self.stood_still = False
-        if size is None:
-            return
-        self._collect(pending, wait=True)
-        log.warning("raydist: room for %d ranks; growing from %d at step %d", size, self.dm.num_workers,
-                    len(self.history))
-        self.life.resize(size)
-        self.position = (epoch, step)
-        raise _Regrouped
+        look, self.stood_still = self.stood_still, False
+        done = self.life.at_boundary(look=look, before=lambda: self._collect(pending, wait=True))
+        if done in ("moved", "grew"):
+            self.position = (epoch, step)
+            raise _Regrouped
+        if done == "noticed":
+            self.preempted = True
+            if self.directory:
+                log.warning("raydist: saving a checkpoint after step %d, before the node goes", len(self.history))
+                self.checkpoint(epoch, step)
 
     def _end_epoch(self, epoch: int) -> None:
         if self.eval_loader is not None and self.eval_every is None:

@@ -30,7 +30,7 @@ from ..errors import GroupShutdownError, RankError, RankFailed, UsageError
 from ..protocol import RankActor
 from .actors import GroupConfig, ping_all, start_actor
 from .failures import rank_error, refused, steps_failed
-from .placement import wait_placed
+from .placement import alive_nodes, draining_nodes, wait_placed
 
 if TYPE_CHECKING:
     from .watch import Watch
@@ -273,11 +273,12 @@ class RankGroup:
         return -1
 
     def live_bundles(self) -> int:
-        """How many of this group's own bundles are on nodes still alive (room it frees when it goes)."""
+        """How many of this group's own bundles are on nodes still alive and not draining (room it
+        frees when it goes, for a group to come)."""
         if not self._owns_pg:
             return 0
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return sum(node in alive for node in self.nodes)
+        usable = alive_nodes() - set(draining_nodes())
+        return sum(node in usable for node in self.nodes)
 
     # -- teardown --------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from .client import RankClient
 from .elastic import Sizes, size_now
 from .actors import GroupConfig
 from .group import RankGroup
+from .drains import DrainWatch, Notice
 from .placement import placeable_now
 from .recovery import Recovery
 from .spares import SparePool
@@ -73,6 +74,8 @@ class Lifecycle:
         self.went_on_live = False  # whether the last restart went on from the survivors' state
         self.client: RankClient | None = None
         self._room: RoomWatch | None = None
+        self._drains: DrainWatch | None = None  # from the first start on
+        self.notice: Notice | None = None  # the last preemption notice a fixed-size group could not move off
         self._stop_spares = weakref.finalize(self, _on_a_thread(self.spares.shutdown))
         self._finalizer: weakref.finalize | None = None
 
@@ -111,6 +114,8 @@ class Lifecycle:
         self.modes.resume()
         client.after_first_step(self.spares.fill)  # spares' Paddle import would slow the start
         self._watch_room()
+        if self._drains is None:
+            self._drains = DrainWatch()
 
     # -- replacing the group -----------------------------------------------------------
 
@@ -140,6 +145,42 @@ class Lifecycle:
         if look and self._room.size is None:
             self._room.look()
         return self._room.size
+
+    def at_boundary(self, look: bool = False, before: Callable[[], Any] | None = None,
+                    grow: bool = True) -> str | None:  # fmt: skip
+        """Between two steps: act on a preemption notice for a node of the live group, else grow if
+        there is room (``look``: look now, see `can_grow`). What was done: ``"moved"`` (an elastic
+        model left the draining node, from its live state), ``"noticed"`` (it could not: `notice` is
+        set, for `fit` to checkpoint), ``"grew"``, or None. ``before`` runs before any of these;
+        ``grow=False``: act on notices only."""
+        if self.client is None or not self.client.alive:
+            return None
+        notice = self._drains.notice(self.client.group.nodes) if self._drains is not None else None
+        size = None if notice is not None or not grow else self.can_grow(look)
+        if (notice is not None or size is not None) and before is not None:
+            before()
+        if notice is not None:
+            on = [r for r, node in enumerate(self.client.group.nodes) if node in notice.nodes]
+            log.warning("raydist: preemption notice: %s; it holds ranks %s", notice, on)
+            size = self._size_off() if self.sizes.elastic else None
+            if size is not None:
+                log.warning("raydist: moving off it, from %d to %d ranks, with the live state (no checkpoint)",
+                            self.client.size, size)  # fmt: skip
+                self.resize(size)
+                return "moved"
+            self.notice = notice
+            return "noticed"
+        if size is not None:
+            log.warning("raydist: room for %d ranks; growing from %d", size, self.client.size)
+            self.resize(size)
+            return "grew"
+        return None
+
+    def _size_off(self) -> int | None:
+        """The largest accepted size that fits on nodes that are not draining, if any."""
+        room = placeable_now(self.config.bundle()) + self.client.group.live_bundles()
+        size = self.sizes.fitting(room)
+        return size if size <= room else None
 
     def resize(self, size: int) -> None:
         """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
@@ -195,6 +236,8 @@ class Lifecycle:
     def shutdown(self, drain: bool = True) -> None:
         """Stop every rank (after the steps in flight, if ``drain``) and the spares. Idempotent."""
         self._stop_watching_room()
+        if self._drains is not None:
+            self._drains.stop()
         try:
             if self._finalizer is not None:
                 self._finalizer.detach()

@@ -109,9 +109,24 @@ def _autoscaler_node_types() -> dict[str, str] | None:
 
 
 def placeable_now(bundle: dict[str, float]) -> int:
-    """How many more bundles the alive nodes could place now, from what they have free."""
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    return sum(_count(free, bundle) for node, free in _available_per_node().items() if node in alive)
+    """How many more bundles the alive nodes could place now, from what they have free (a
+    draining node takes nothing new)."""
+    usable = alive_nodes() - set(draining_nodes())
+    return sum(_count(free, bundle) for node, free in _available_per_node().items() if node in usable)
+
+
+def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def draining_nodes() -> dict[str, int]:
+    """The nodes Ray is draining: {node id (hex): deadline in ms since the epoch, 0 if none}.
+
+    Private Ray: Ray 2.60 has no public API for it; Ray Train's preemption watcher
+    (train/v2/_internal/execution/preemption.py) makes this same call."""
+    from ray._private.state import state
+
+    return dict(state.get_draining_nodes())
 
 
 def _available_per_node() -> dict[str, dict[str, float]]:
