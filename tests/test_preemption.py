@@ -88,6 +88,53 @@ def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_fai
     assert "moved off like one process" in out and "preemption notice" in out
 
 
+def test_a_plain_loop_moves_off_a_draining_node_then_grows_back_when_one_joins():
+    """The same in a `for batch in loader(): dm(*batch)` loop: the notice is acted on at the next
+    call (the rest of the epoch re-split over the remaining data-parallel group), the node goes, a
+    node joins, and the loop grows back to 4 ranks at the call after raydist saw the room; the
+    losses and parameters of one plain process."""
+    out = run_driver(cluster(2) + DRAIN + """
+    import logging
+    import paddle, paddle.distributed as dist
+    import raydist
+    from models import Rows, adamw, assert_fit_like_one_process, build
+
+    logging.getLogger("raydist").addHandler(logging.StreamHandler(sys.stdout))  # what it saw and did
+    try:
+        rows = Rows(64)
+        loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
+                                          shard_dims="dp", batch_size=8, shuffle=True, seed=3)
+        dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), adamw(), num_workers=(2, 4),
+                               resources_per_rank={"CPU": 1, "rank": 1})
+        victim = next(n for n in nodes if n.node_id in {s.node_id for s in raydist.status()})
+        losses, sizes = [], []
+        for epoch in range(3):
+            for batch in loader():
+                losses.append(dm(*batch.values()))  # Rows are dicts
+                sizes.append(dm.num_workers)
+                if len(sizes) == 3:
+                    deadline = drain(victim)
+                    wait_for(lambda: victim.node_id in dm._life._drains.draining, deadline)  # the watcher saw it
+                if len(sizes) == 4:  # the call of step 4 moved off
+                    assert sizes[-1] == 2, sizes
+                    cluster.remove_node(victim)
+                if len(sizes) == 6:
+                    cluster.add_node(num_cpus=2, resources={"rank": 2})
+                    wait_for(lambda: dm._life.can_grow() is not None, time.monotonic() + 60)  # the room, seen
+        print("sizes", sizes)
+        assert sizes == [4] * 3 + [2] * 3 + [4] * 18, sizes  # moved at call 4, grew at call 7
+        assert_fit_like_one_process([float(x) for x in losses], dm.state_dict("param"), rows, 8, 2, 3, adamw(),
+                                    shuffle=True, seed=3)  # fmt: skip
+        dm.shutdown()
+        print("moved off and grew back like one process")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    """)
+    print(out)
+    assert "moved off and grew back like one process" in out and "moving off it, from 4 to 2 ranks" in out
+
+
 def test_a_fixed_size_fit_checkpoints_at_the_notice_and_loses_no_step_when_the_node_goes():
     """dp x mp2 on 4 ranks (fixed) over two nodes, fit with max_failures=0: a notice after step 3
     is a checkpoint at the next step boundary; the node goes, a new one joins, and the ranks restart

@@ -700,3 +700,25 @@ def test_rays_private_apis_are_each_called_from_one_function_that_says_which_pub
         assert set(used) <= functions, (name, sorted(used))
         for function in used.values():
             assert "Private Ray: " in ast.get_docstring(function) and "public API" in ast.get_docstring(function)
+
+
+def test_a_ranks_staged_batches_of_an_epoch_stay_until_a_step_of_the_next_is_taken():
+    """The driver runs ahead of the steps: the next epoch's batches may reach a rank before it took
+    the last ones of this epoch (seen after a resize mid-epoch). They are dropped only once a step
+    of the next epoch is taken (an epoch left early)."""
+    import paddle
+
+    from raydist.worker.data import Staging
+
+    staging = Staging(paddle.CPUPlace())
+    batch = {"x": np.zeros((2, 3), "float32")}
+    staging.put(7, 0, 0, [batch] * 8)
+    staging.put(7, 1, 0, [batch] * 8)
+    for step in range(5, 8):  # steps 0-4 were "taken" before
+        assert staging.take((7, 0, step), timeout=1)[0]["x"].shape() == [2, 3]
+    staging.put(7, 2, 0, [batch] * 8)  # epoch 1 left early after its step 0
+    staging.take((7, 1, 0), timeout=1)
+    staging.take((7, 2, 0), timeout=1)
+    assert not [k for k in staging._batches if k[1] < 2]
+    with pytest.raises(TimeoutError):
+        staging.take((7, 1, 1), timeout=0.1)

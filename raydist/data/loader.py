@@ -216,7 +216,9 @@ class ShardDataloader:
         """
         if self._client is not client:
             if self._epoch is not None and self._epoch.opened:
-                self._epoch = None  # its readers were the other group's ranks
+                # its readers were the other group's ranks: the new group's read on from the next step
+                # (the rest of the epoch re-split among its data-parallel groups; the global batches are the same)
+                self._epoch.reopen()
             self._client = client
             own = meshes is None or len(meshes[0].process_ids) == len(self.meshes[0].process_ids)
             view = self._own if own else _View(list(meshes), [self.shard_dims[0], self.shard_dims[-1]])
@@ -305,6 +307,10 @@ class _Epoch:
         if not self.opened:
             self._open()
         self.taken += 1
+
+    def reopen(self) -> None:
+        """Read the rest of the epoch, from the next step to take, with the ranks bound next."""
+        self.start, self.opened = self.taken, False
 
     def _open(self) -> None:
         loader, client = self.loader, self.loader._client

@@ -201,6 +201,8 @@ class DistModel:
         """
         modes = self._modes
         mode = modes.mode
+        if mode == "train":  # a step boundary: move off a draining node, or grow (see Lifecycle.at_boundary)
+            self._life.at_boundary()
         message = modes.message(list(leaves(args)), self._rates.take_changes)
         plan = modes.plans[mode]
         rate = self._rates.position() if mode == "train" else None

@@ -86,8 +86,8 @@ class Staging:
                 tensors[name] = tensor
             staged[(loader, epoch, step)] = tensors
         with self._ready:
-            for old in [k for k in self._batches if k[0] == loader and k[1] < epoch]:
-                del self._batches[old]  # read ahead for an epoch that was left early
+            # not a reason to drop an older epoch's batches: the driver runs ahead of the steps, so the
+            # next epoch's may come while this rank still has the last steps of this one to take
             self._batches.update(staged)
             self._ready.notify_all()
 
@@ -102,6 +102,8 @@ class Staging:
         with self._ready:
             self._ready.wait_for(lambda: key in self._batches or key[:2] in self._failed, timeout=timeout)
             if key in self._batches:  # read before the reader failed on a later one
+                for old in [k for k in self._batches if k[0] == key[0] and k[1] < key[1]]:
+                    del self._batches[old]  # read ahead for an epoch that was left early: no step takes it now
                 return self._batches.pop(key), time.monotonic() - start
             if key[:2] in self._failed:
                 raise RuntimeError(f"the reader of this rank's data-parallel group failed:\n{self._failed[key[:2]]}")
