@@ -13,9 +13,14 @@ step 6 (the other node keeps a whole data-parallel group). Three runs, round-rob
 - *fixed, survivors*: ``num_workers=4``: a replacement node joins right after the
   loss, and the model restarts at 4 ranks from the survivors' state;
 - *fixed, checkpoint*: the same, from the last checkpoint (reading the survivors'
-  state turned off), as before raydist read it.
+  state turned off), as before raydist read it;
+- *elastic, notice*: ``num_workers=(2, 4)``, and the node is not lost without
+  warning: Ray is told it will go (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+  --deadline-remaining-seconds 60``, what a spot preemption sends) and it is removed once
+  no rank is left on it. The model moves off at a step boundary with the live state.
 
-Reports the time from the node loss to the next completed step, from the node's
+Reports the time from the node loss (or the notice) to the next completed step (at 2
+ranks, for the notice), from the node's
 join to the first step at 4 ranks, the steps lost per loss (steps run again), and
 whether every loss equals that of a run that lost nothing, and how far the final
 parameters are from its (AdamW, learning rate 1e-3).
@@ -32,7 +37,17 @@ import numpy as np
 LOSE_AFTER, JOIN_AFTER, CHECKPOINT_EVERY = 6, 14, 4
 
 
-def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = True) -> dict:
+def _drain(address: str, node_id: str, deadline_s: int = 60) -> None:
+    """Ray's preemption notice for a node (a hidden subcommand of Ray's CLI; the GCS's DrainNode)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", address, "--node-id",
+                    node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "bench",
+                    "--deadline-remaining-seconds", str(deadline_s)], check=True, capture_output=True)  # fmt: skip
+
+
+def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = True, notice: bool = False) -> dict:
     import paddle
     import paddle.distributed as dist
     import ray
@@ -73,7 +88,13 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = Tr
                 ends.append((time.monotonic(), dm.num_workers))
                 if not chaos:
                     return
-                if len(ends) == LOSE_AFTER and "lost" not in events:
+                if notice and "lost" in events and "removed" not in events and dm.num_workers == 2:
+                    cluster.remove_node(nodes[1])  # no rank is left on it: what the cloud does at the deadline
+                    events["removed"] = time.monotonic()
+                if len(ends) == LOSE_AFTER and "lost" not in events and notice:
+                    events["lost"] = time.monotonic()
+                    _drain(cluster.address, nodes[1].node_id)
+                elif len(ends) == LOSE_AFTER and "lost" not in events:
                     cluster.remove_node(nodes[1])
                     events["lost"] = time.monotonic()
                     if not elastic:  # a replacement comes at once: the fixed-size run needs it
@@ -89,7 +110,8 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = Tr
         dm.shutdown()
         out = {"params": params, "losses": losses, "lost_steps": len(ends) - len(losses)}
         if chaos:
-            out["loss_to_step"] = next(t for t, _ in ends if t > events["lost"]) - events["lost"]
+            after = [t for t, n in ends if t > events["lost"] and (n == 2 or not notice)]
+            out["loss_to_step"] = after[0] - events["lost"]
             out["join_to_larger"] = next(t for t, n in ends if t > events["joined"] and n == 4) - events["joined"]
         return out
     finally:
@@ -98,10 +120,11 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = Tr
         cluster.shutdown()
 
 
-KINDS = {  # label: (elastic, from the survivors' state)
-    "elastic (2, 4): shrink, then grow": (True, True),
-    "fixed 4: restart on a new node, survivors' state": (False, True),
-    "fixed 4: restart on a new node, last checkpoint": (False, False),
+KINDS = {  # label: (elastic, from the survivors' state, a preemption notice first)
+    "elastic (2, 4): shrink, then grow": (True, True, False),
+    "elastic (2, 4): preemption notice, move off, then grow": (True, True, True),
+    "fixed 4: restart on a new node, survivors' state": (False, True, False),
+    "fixed 4: restart on a new node, last checkpoint": (False, False, False),
 }
 
 
@@ -111,8 +134,8 @@ def elastic_table(names: list[str], steps: int, repeat: int) -> str:
         undisturbed = _run(name, steps, elastic=True, chaos=False)
         runs: dict[str, list[dict]] = {label: [] for label in KINDS}
         for _ in range(repeat):
-            for label, (elastic, survivors) in KINDS.items():
-                runs[label].append(_run(name, steps, elastic=elastic, chaos=True, survivors=survivors))
+            for label, (elastic, survivors, notice) in KINDS.items():
+                runs[label].append(_run(name, steps, elastic=elastic, chaos=True, survivors=survivors, notice=notice))
         for label, done in runs.items():
             same = all(np.allclose(r["losses"], undisturbed["losses"], rtol=1e-5) for r in done)
             # AdamW moves every parameter by about its learning rate whatever the gradient's size, so
@@ -125,7 +148,7 @@ def elastic_table(names: list[str], steps: int, repeat: int) -> str:
                         f"| {join:.1f} | {statistics.median(r['lost_steps'] for r in done):.0f} "
                         f"| {'yes' if same else 'NO'} | {drift:.1e} |")  # fmt: skip
             print(rows[-1], flush=True)
-    header = ("| model | run | node loss to next step (s) | node join to a step at 4 ranks (s) "
+    header = ("| model | run | node loss (or notice) to next step (s) | node join to a step at 4 ranks (s) "
               "| steps lost per loss | every loss equals an undisturbed run's (rtol 1e-5) "
               "| parameters: largest difference to it |")
     return "\n".join([header, "|---|---|---:|---:|---:|---|---:|", *rows])

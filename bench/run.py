@@ -7,6 +7,8 @@
     python -m bench elastic [--models mlp-dp2xmp2,gpt-dp2xmp2] [--steps 24]
     python -m bench pipeline [--steps 40] [--repeat 3]
     python -m bench startup [--repeat 2] [--models mlp-mp2]
+    python -m bench resume [--models gpt-mp2] [--steps 24] [--every 4] [--kill-after 10] [--repeat 3]
+    python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
     python -m bench COMMAND --help      (each command's options and defaults; --no-write: no BENCHMARKS.md entry)
 
 For each model, the same model, data and ranks under these runners, round-robin:
@@ -28,7 +30,8 @@ driver's own cost per step as the group grows (bench/dispatch.py); ``elastic``, 
 lost or joining node costs (bench/elastic.py); ``pipeline``, the bench GPT on two
 pipeline stages next to dp2 and mp2, with each stage's bubble (bench/pipeline.py); ``startup``,
 where a model's start goes (bench/startup.py); ``restart``, a killed rank's cost until the next
-step, with and without spare ranks (bench/restart.py). Tables are
+step, with and without spare ranks (bench/restart.py); ``resume``, a job killed and run
+again (bench/outlive.py); ``saves``, a checkpoint's stall of the loop (bench/saves.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
 
@@ -264,7 +267,7 @@ def models_table(args) -> str:
     return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
 
 
-COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup")
+COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "saves")
 
 
 def _names(known: list[str]) -> Callable[[str], str]:
@@ -335,6 +338,17 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--warmup", type=int, default=10, help="steps before the timed ones")
     sub.add_argument("--repeat", type=int, default=1, help="runs of each (medians)")
     dispatch_option(sub)
+    sub = command("resume", "a job killed and run again: time to its first step, steps computed twice (bench/outlive.py)")
+    sub.add_argument("--models", default="gpt-mp2", help="comma-separated")
+    sub.add_argument("--steps", type=int, default=24, help="steps per run")
+    sub.add_argument("--every", type=int, default=4, help="checkpoint_every")
+    sub.add_argument("--kill-after", type=int, default=10, help="steps completed when the driver is killed")
+    sub.add_argument("--repeat", type=int, default=3, help="runs of each kind, round-robin (medians)")
+    sub = command("saves", "a checkpoint's stall of the loop, synchronous and in the background (bench/saves.py)")
+    sub.add_argument("--models", default="gpt-mp2", help="comma-separated")
+    sub.add_argument("--steps", type=int, default=40, help="steps per run")
+    sub.add_argument("--every", type=int, default=8, help="a save every this many steps")
+    sub.add_argument("--repeat", type=int, default=3, help="runs of each kind, round-robin (medians)")
     sub = command("startup", "where a model's start goes (bench/startup.py)")
     sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
     sub.add_argument("--repeat", type=int, default=2, help="models started one after another")
@@ -357,6 +371,12 @@ def main(argv=None) -> None:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if args.what == "resume":  # a head of its own
+        from bench.outlive import resume_table
+
+        table = resume_table(args.models.split(","), args.steps, args.every, args.kill_after, args.repeat)
+        _write(args, argv, table)
+        return
     if args.what == "elastic":  # clusters of its own
         from bench.elastic import elastic_table
 
@@ -377,6 +397,10 @@ def main(argv=None) -> None:
             from bench.startup import startup_table
 
             table = "\n\n".join(startup_table(args.repeat, n) for n in args.models.split(","))
+        elif args.what == "saves":
+            from bench.saves import saves_table
+
+            table = saves_table(args.models.split(","), args.steps, args.every, args.repeat)
         elif args.what == "pipeline":
             from bench.pipeline import pipeline_table
 
@@ -393,7 +417,8 @@ def _write(args, argv, table: str) -> None:
     if not args.no_write:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with open(ROOT / "BENCHMARKS.md", "a") as f:
-            steps = (f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians" if args.what == "elastic"
+            steps = (f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians"
+                     if args.what in ("elastic", "resume", "saves")
                      else "models started one after another" if args.what == "startup"
                      else "kill to next step, medians" if args.what == "restart"
                      else f"{args.steps} timed steps after {args.warmup} warm-up steps")

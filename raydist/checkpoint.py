@@ -56,11 +56,16 @@ def staging_dir(path: str) -> str:
     return f"{path.rstrip('/')}.saving-{uuid.uuid4().hex[:8]}"
 
 
+def pieces_file(rank: int) -> str:
+    """The name of the file in which ``rank`` writes its pieces."""
+    return f"rank-{rank:05d}.npz"
+
+
 def write_pieces(directory: str, rank: int, pieces: dict[str, np.ndarray]) -> str:
     """Write this rank's pieces into ``directory``; returns the file's name."""
     filesystem, where = open_dir(directory)
     filesystem.create_dir(where, recursive=True)
-    name = f"rank-{rank:05d}.npz"
+    name = pieces_file(rank)
     buffer = io.BytesIO()
     np.savez(buffer, **{_key(k): v for k, v in pieces.items()})
     with filesystem.open_output_stream(posixpath.join(where, name)) as out:

@@ -60,6 +60,7 @@ ASIDE = "aside"
 DATA = "data"
 RELAY = "relay"
 RELAY_THREADS = 8
+SAVE = "save"  # waits for a checkpoint's background write, beside the steps
 
 
 class Member:
@@ -98,7 +99,7 @@ class Member:
 class RankActor(Member):
     """One rank of a `raydist.DistModel`: its model service and its data service."""
 
-    concurrency_groups = {ASIDE: 1, DATA: 1, RELAY: RELAY_THREADS}
+    concurrency_groups = {ASIDE: 1, DATA: 1, RELAY: RELAY_THREADS, SAVE: 1}
 
     def __init__(self, rank: int, world_size: int):
         super().__init__(rank, world_size)
@@ -190,9 +191,16 @@ class RankActor(Member):
         self.model.set_state(full)
 
     @reports_rank
-    def save_pieces(self, directory: str, names: list[str]) -> str:
-        """Write this rank's shards of ``names`` into a checkpoint directory; the file's name."""
-        return self.model.save_pieces(directory, names)
+    def save_pieces(self, directory: str, names: list[str], background: bool = False) -> str:
+        """Write this rank's shards of ``names`` into a checkpoint directory; the file's name.
+        ``background``: return once they are copied to host memory, and write them beside the
+        next steps (`saved` waits for the write)."""
+        return self.model.save_pieces(directory, names, background)
+
+    @ray.method(concurrency_group=SAVE)
+    def saved(self, directory: str) -> str:
+        """Wait for the background write of `save_pieces` into ``directory``; the file's name (or its error)."""
+        return self.model.saved(directory)
 
     @reports_rank
     def load_state(self, directory: str, tensors: dict) -> None:

@@ -120,3 +120,30 @@ def test_a_save_killed_halfway_leaves_the_old_checkpoint_intact(tmp_path):
         fresh.load(str(tmp_path / "old"))
         fresh.predict()
         assert_close(fresh(x), ref.predict(x))
+
+
+@pytest.mark.slow
+def test_a_background_save_whose_rank_dies_while_writing_leaves_the_old_checkpoint_and_nothing_complete(tmp_path):
+    """save(background=True) returns once the ranks hold their snapshots; rank 1 dies after writing
+    its file in the background: the calls after it raise RankError naming it, the staging directory
+    is removed, and the old checkpoint loads (the numbers of one process after one step)."""
+    x, y = batches(1)[0]
+    ref = Reference(adamw())
+    ref.train(x, y)
+    with dm_of("mp", 2) as dm:
+        float(dm(x, y))
+        dm.save(str(tmp_path / "old"), background=True)  # shutdown waits for it
+    dm = dm_of("mp", 2, runtime_env=faults.hook("die_after_writing_on_rank_1"))
+    float(dm(x, y))
+    dm.save(str(tmp_path / "new"), background=True)
+    with pytest.raises(raydist.RankError) as info:
+        for _ in range(200):  # the steps go on beside the write, until rank 1 is gone
+            float(dm(x, y))
+    assert info.value.rank == 1 and info.value.died, info.value
+    dm.restart()  # waits for the save's end: removed, with the ranks that wrote it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nothing half-written, nothing that looks complete
+    dm.shutdown()
+    with dm_of("mp", 2) as fresh:
+        fresh.load(str(tmp_path / "old"))
+        fresh.predict()
+        assert_close(fresh(x), ref.predict(x))

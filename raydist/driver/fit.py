@@ -167,7 +167,6 @@ class _Run:
         self.every, self.directory = every, directory
         self.eval_loader, self.eval_every = eval_loader, eval_every
         self.history: list[float] = []
-        self.resume = (0, 0, 0)  # (epoch, step, steps done) where the latest checkpoint stands
         self.position = (0, 0)  # (epoch, step) to go on from
         self.begun = -1  # the last epoch whose on_epoch_begin was called
         self.ended = -1  # the last epoch whose end (evaluation, schedule, callbacks) was done
@@ -188,7 +187,6 @@ class _Run:
         record = found.record["fit"]
         self.history = list(record["history"])
         self.position = tuple(record["position"])
-        self.resume = (*self.position, len(self.history))
         self.ended = record["ended"]
         runs.restore_callbacks(self.user_callbacks, record["callbacks"])
         self.bar.n = len(self.history)
@@ -247,7 +245,7 @@ class _Run:
             self.preempted = True
             if self.directory:
                 log.warning("raydist: saving a checkpoint after step %d, before the node goes", len(self.history))
-                self.checkpoint(epoch, step)
+                self.checkpoint(epoch, step, background=False)  # complete before the node, and its shards, go
 
     def _end_epoch(self, epoch: int) -> None:
         if self.eval_loader is not None and self.eval_every is None:
@@ -271,24 +269,30 @@ class _Run:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{self.history[-1]:.4f}", refresh=False)
 
-    def checkpoint(self, epoch: int, step: int) -> None:
-        """Save, with where the run stands (data position, history, ended epochs, callbacks' state)."""
+    def checkpoint(self, epoch: int, step: int, background: bool = True) -> None:
+        """Save, with where the run stands (data position, history, ended epochs, callbacks' state): in the
+        background, the ranks writing their snapshots while the next steps run (`ModelState.save`)."""
         done = len(self.history)
         self.stood_still = True
-        record = {"identity": self.identity, "position": [epoch, step], "steps": done, "history": self.history,
+        record = {"identity": self.identity, "position": [epoch, step], "steps": done, "history": list(self.history),
                   "ended": self.ended, "callbacks": runs.callback_states(self.user_callbacks)}  # fmt: skip
-        self.dm.save(posixpath.join(self.directory, f"step-{done:08d}"), position=(epoch, step), record={"fit": record})
-        self.resume = (epoch, step, done)
-        if self.keep_last:
+        self.dm.save(posixpath.join(self.directory, f"step-{done:08d}"), position=(epoch, step), record={"fit": record},
+                     background=background)  # fmt: skip
+        self._keep_last()
+
+    def _keep_last(self) -> None:
+        if self.keep_last:  # of the complete ones (a save in the background is not one yet)
             for old in checkpoint.complete(self.directory)[: -self.keep_last]:
                 checkpoint.remove(old)
 
     def finish(self) -> None:
         """The run's end: its state saved (unless the newest checkpoint has it), then finished.json naming it."""
         done = len(self.history)
+        self.life.state.wait_saved()
         newest = checkpoint.complete(self.directory)
-        if not newest or self.resume[2] != done or posixpath.basename(newest[-1]) != f"step-{done:08d}":
-            self.checkpoint(*divmod(done, len(self.loader)))
+        if not newest or posixpath.basename(newest[-1]) != f"step-{done:08d}":
+            self.checkpoint(*divmod(done, len(self.loader)), background=False)
+        self._keep_last()
         checkpoint.write_json(posixpath.join(self.directory, runs.FINISHED),
                               {"checkpoint": f"step-{done:08d}", "steps": done})  # fmt: skip
 
@@ -305,9 +309,9 @@ class _Run:
         self.position = divmod(len(self.history), len(self.loader))
 
     def rewind(self) -> None:
-        """Back to the latest checkpoint (the restart restored its state)."""
-        self.position = self.resume[:2]
-        done = self.resume[2]
+        """Back to the newest complete checkpoint (the restart restored its state)."""
+        found = runs.latest_checkpoint(self.directory)  # what the restart loaded (none: the initial state)
+        self.position, done = (tuple(found.position), found.steps) if found is not None else ((0, 0), 0)
         del self.history[done:]
         self.bar.n = done
         self.bar.refresh()

@@ -122,6 +122,7 @@ class Lifecycle:
     def restart(self) -> bool:
         """A fresh group (after a failure), with the newest state there is; whether that was the
         survivors' (else the last checkpoint's, or the initial parameters). See `raydist.DistModel.restart`."""
+        self.state.wait_saved()  # a background save ends first: committed, or gone with the ranks
         salvaged = self.recovery.take()
         first_step = self.client.window.submitted
         freed = self.client.group.live_bundles()
@@ -185,6 +186,7 @@ class Lifecycle:
     def resize(self, size: int) -> None:
         """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
         object store: no checkpoint is written); at a step boundary only."""
+        self.state.wait_saved()
         state = self.state.state_dict("all" if self.modes.built("train") else "param")
         rate = self.rates.position()
         first_step = self.client.window.submitted
@@ -235,6 +237,8 @@ class Lifecycle:
 
     def shutdown(self, drain: bool = True) -> None:
         """Stop every rank (after the steps in flight, if ``drain``) and the spares. Idempotent."""
+        if drain:
+            self.state.wait_saved()
         self._stop_watching_room()
         if self._drains is not None:
             self._drains.stop()

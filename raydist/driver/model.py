@@ -287,14 +287,19 @@ class DistModel:
         """
         self._state.set_state_dict(state)
 
-    def save(self, path: str, position: tuple[int, int] | None = None, record: dict | None = None) -> None:
+    def save(self, path: str, position: tuple[int, int] | None = None, record: dict | None = None,
+             background: bool = False) -> None:  # fmt: skip
         """Write a distributed checkpoint to ``path`` (a new local directory or a pyarrow.fs URI).
 
         Every rank writes its own shards, in parallel; the manifest keeps the
         step, the mode and the learning rate's position. ``position`` (the
         loader's epoch and the step in it to go on from) and ``record`` (any
         JSON-able dict, e.g. your loop's losses) are kept too, for
-        `raydist.latest_checkpoint` to give back. See `raydist.checkpoint`.
+        `raydist.latest_checkpoint` to give back. ``background=True`` returns
+        once every rank holds a copy of its shards in host memory: they are
+        written while the next steps run, and the checkpoint is committed when
+        all are (a failure leaves nothing that looks complete; the next save,
+        `load`, `restart` and `shutdown` wait for it). See `raydist.checkpoint`.
         """
         import paddle
 
@@ -302,7 +307,7 @@ class DistModel:
 
         if position is not None:
             position = [int(p) for p in position]
-        self._state.save(path, step=self._client.window.submitted, mode=self.mode, raydist=__version__,
+        self._state.save(path, background, step=self._client.window.submitted, mode=self.mode, raydist=__version__,
                          paddle=paddle.__version__, position=position, record=record or {})  # fmt: skip
 
     def load(self, path: str) -> None:

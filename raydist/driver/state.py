@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import logging
+import threading
 
 import numpy as np
 import ray
@@ -36,6 +37,7 @@ class ModelState:
         self.last_checkpoint: str | None = None  # the latest saved or loaded, for restart()
         self._pending: tuple[str, dict] | None = None  # (path, {name: manifest entry}) still to restore
         self.names: set[str] = set()  # every tensor of the state, as of the last build
+        self._saving: threading.Thread | None = None  # a background save's commit
 
     def meta(self, mode: str = "all") -> dict[str, tuple]:
         """{name: (global shape, dtype, layout)} of the state."""
@@ -72,11 +74,16 @@ class ModelState:
             full[name] = array
         self.client.call(RankActor.set_state, ray.put(full))
 
-    def save(self, path: str, **info: Any) -> None:
+    def save(self, path: str, background: bool = False, **info: Any) -> None:
         """Every rank writes its shards to a staging directory; then the manifest, and the commit.
 
-        ``info``: what the manifest records besides the tensors (step, mode...).
+        ``info``: what the manifest records besides the tensors (step, mode...). ``background``:
+        return once every rank holds a copy of its shards in host memory; they are written
+        beside the next steps, and a thread of the driver commits once all are written (or
+        removes the staging directory if one failed: nothing that looks complete is left).
+        A save first waits for the one before it.
         """
+        self.wait_saved()
         if checkpoint.exists(path):
             raise ValueError(f"{path} exists: raydist never overwrites a checkpoint; save to a new directory")
         meta, holders = self._meta("all")
@@ -84,7 +91,7 @@ class ModelState:
         staged = checkpoint.staging_dir(path)
         ranks = sorted(plan)
         try:
-            written = self.client.call_each(RankActor.save_pieces, {r: (staged, plan[r]) for r in ranks})
+            written = self.client.call_each(RankActor.save_pieces, {r: (staged, plan[r], background) for r in ranks})
         except BaseException:
             checkpoint.remove(staged)  # an incomplete save leaves nothing behind
             raise
@@ -92,12 +99,37 @@ class ModelState:
         for rank, file in zip(ranks, written):
             for name in plan[rank]:
                 files[name][rank] = file
-        checkpoint.commit(staged, path, checkpoint.manifest(meta, files, num_workers=self.client.size,
-                                                            learning_rate=self.rates.manifest(), **info))  # fmt: skip
+        manifest = checkpoint.manifest(meta, files, num_workers=self.client.size, learning_rate=self.rates.manifest(),
+                                       **info)  # fmt: skip
+        if not background:
+            checkpoint.commit(staged, path, manifest)
+            self.last_checkpoint = path
+            return
+        writes = [self.client.actor(r).saved.remote(staged) for r in ranks]
+        self._saving = threading.Thread(target=self._commit, args=(writes, staged, path, manifest),
+                                        name="raydist-save", daemon=True)  # fmt: skip
+        self._saving.start()
+
+    def _commit(self, writes: list, staged: str, path: str, manifest: dict) -> None:
+        try:
+            ray.get(writes)
+            checkpoint.commit(staged, path, manifest)
+        except Exception as e:  # noqa: BLE001 - a rank's death, a full disk...: the previous checkpoint stands
+            checkpoint.remove(staged)
+            log.warning("raydist: the checkpoint %s was not written (%s: %s); %s stands", path, type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "", self.last_checkpoint)  # fmt: skip
+            return
         self.last_checkpoint = path
+
+    def wait_saved(self) -> None:
+        """Wait for a background save to end (committed, or removed after a failure)."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.join()
 
     def load(self, path: str, train_built: bool) -> dict:
         """Restore the tensors of the checkpoint at ``path``; its manifest (for what else it keeps)."""
+        self.wait_saved()
         manifest = checkpoint.read_manifest(path)
         tensors = dict(manifest["tensors"])
         meta = self.meta()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 
@@ -35,6 +36,8 @@ class ModelService:
         self.trained = 0  # train steps completed since the build (the live state's position)
         self.broke_off = False  # whether the last train step raised (a peer's death, say)
         self._idle = threading.Event()  # no step running: the state is between two steps
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # background checkpoint writes
+        self._writes: dict[str, concurrent.futures.Future] = {}  # directory -> its write
         self._idle.set()
 
     @property
@@ -181,11 +184,20 @@ class ModelService:
     def set_state(self, full: dict) -> None:
         self.runner.set_state(full, self.rank)
 
-    def save_pieces(self, directory: str, names: list[str]) -> str:
-        from ..checkpoint import write_pieces
+    def save_pieces(self, directory: str, names: list[str], background: bool = False) -> str:
+        from .. import checkpoint
 
-        state = self.runner.state_dict("all")
-        return write_pieces(directory, self.rank, {n: state[n][0] for n in names})
+        state = self.runner.state_dict("all")  # copies: a snapshot that the next steps leave alone
+        pieces = {n: state[n][0] for n in names}
+        if not background:
+            return checkpoint.write_pieces(directory, self.rank, pieces)
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydist-save")
+        self._writes[directory] = self._writer.submit(checkpoint.write_pieces, directory, self.rank, pieces)
+        return checkpoint.pieces_file(self.rank)
+
+    def saved(self, directory: str) -> str:
+        return self._writes.pop(directory).result()
 
     def load_state(self, directory: str, tensors: dict) -> None:
         from ..checkpoint import assemble
