@@ -40,9 +40,9 @@ from bench import models
 name, steps, every, hang = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 b, kind = models.batch_size(name), models.MODELS[name][0]
 ray.init(runtime_env=RANK_ENV, log_to_driver=False)
-ds = ray.data.from_items([{"i": i} for i in range(steps * b)]).map_batches(lambda x: models.rows(kind, x["i"]))
-loader = raydist.shard_dataloader(ds.materialize(), models.mesh(name), input_keys=["x", "y"], shard_dims="dp",
-                                  batch_size=b)
+# not materialized: its blocks would come in the order its tasks end (the loader reads in order)
+ds = ray.data.range(steps * b, override_num_blocks=4).map_batches(lambda x: models.rows(kind, x["id"]))
+loader = raydist.shard_dataloader(ds, models.mesh(name), input_keys=["x", "y"], shard_dims="dp", batch_size=b)
 
 
 class Report(paddle.callbacks.Callback):
