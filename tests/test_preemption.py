@@ -7,8 +7,9 @@ from clusters import cluster, run_driver
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]  # raylets of their own
 
-# Driver code: drain(node) sends Ray's preemption notice for a node, as a cloud's spot
-# preemption or the autoscaler's scale-down does, and waits until Ray shows it draining.
+# Driver code: the model's data (`rows`, `loader`), and drain(node), which sends Ray's
+# preemption notice for a node (as a cloud's spot preemption or the autoscaler's scale-down
+# does) and waits until Ray shows it draining.
 DRAIN = """
     import subprocess, sys, time
     from ray._private.state import state
@@ -30,6 +31,16 @@ DRAIN = """
         while not what():
             assert time.monotonic() < until, "the model did not act before the deadline"
             time.sleep(0.05)
+
+    import logging, os, threading, tempfile
+    import paddle, paddle.distributed as dist
+    import raydist
+    from models import Rows, adamw, assert_fit_like_one_process, build
+
+    logging.getLogger("raydist").addHandler(logging.StreamHandler(sys.stdout))  # what it saw and did
+    rows = Rows(64)  # 8 steps an epoch, dp x mp2 at 4 ranks
+    loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
+                                      shard_dims="dp", batch_size=8, shuffle=True, seed=3)
 """
 
 
@@ -38,16 +49,7 @@ def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_fai
     after step 3; the model moves to 2 ranks on the other with the live state (no step lost, no
     failure), the node is removed, and every loss and parameter equals one plain process."""
     out = run_driver(cluster(2) + DRAIN + """
-    import logging, threading, tempfile
-    import paddle, paddle.distributed as dist
-    import raydist
-    from models import Rows, adamw, assert_fit_like_one_process, build
-
-    logging.getLogger("raydist").addHandler(logging.StreamHandler(sys.stdout))  # what it saw and did
     try:
-        rows = Rows(64)
-        loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
-                                          shard_dims="dp", batch_size=8, shuffle=True, seed=3)
         dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), adamw(), num_workers=(2, 4),
                                resources_per_rank={"CPU": 1, "rank": 1})
         victim = next(n for n in nodes if n.node_id in {s.node_id for s in raydist.status()})
@@ -94,16 +96,7 @@ def test_a_plain_loop_moves_off_a_draining_node_then_grows_back_when_one_joins()
     node joins, and the loop grows back to 4 ranks at the call after raydist saw the room; the
     losses and parameters of one plain process."""
     out = run_driver(cluster(2) + DRAIN + """
-    import logging
-    import paddle, paddle.distributed as dist
-    import raydist
-    from models import Rows, adamw, assert_fit_like_one_process, build
-
-    logging.getLogger("raydist").addHandler(logging.StreamHandler(sys.stdout))  # what it saw and did
     try:
-        rows = Rows(64)
-        loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
-                                          shard_dims="dp", batch_size=8, shuffle=True, seed=3)
         dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), adamw(), num_workers=(2, 4),
                                resources_per_rank={"CPU": 1, "rank": 1})
         victim = next(n for n in nodes if n.node_id in {s.node_id for s in raydist.status()})
@@ -140,16 +133,7 @@ def test_a_fixed_size_fit_checkpoints_at_the_notice_and_loses_no_step_when_the_n
     is a checkpoint at the next step boundary; the node goes, a new one joins, and the ranks restart
     without counting a failure; the losses and parameters of one plain process."""
     out = run_driver(cluster(2) + DRAIN + """
-    import logging, os, threading, tempfile
-    import paddle, paddle.distributed as dist
-    import raydist
-    from models import Rows, adamw, assert_fit_like_one_process, build
-
-    logging.getLogger("raydist").addHandler(logging.StreamHandler(sys.stdout))  # what it saw and did
     try:
-        rows = Rows(64)
-        loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
-                                          shard_dims="dp", batch_size=8, shuffle=True, seed=3)
         dm = raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=4,
                                resources_per_rank={"CPU": 1, "rank": 1}, max_in_flight=1, steps_per_message=1)
         victim = nodes[1]

@@ -12,7 +12,7 @@ import raydist
 from helpers import Pairs, scheduled_sgd
 from models import assert_close, build, build_chain
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300), pytest.mark.slow]
 
 MESH = paddle.distributed.ProcessMesh([0, 1], dim_names=["dp"])
 

@@ -604,6 +604,9 @@ BENCH_FORMS = {
     "elastic --steps 24": dict(what="elastic", models="mlp-dp2xmp2,gpt-dp2xmp2", steps=24, repeat=1),
     "pipeline --steps 40 --repeat 3": dict(what="pipeline", steps=40, warmup=10, repeat=3, dispatch="auto"),
     "startup --models gpt-mp2,mlp-mp2 --repeat 2": dict(what="startup", models="gpt-mp2,mlp-mp2", repeat=2),
+    "elastic --models mlp-dp2xmp2": dict(what="elastic", models="mlp-dp2xmp2", steps=24, repeat=1),
+    "resume": dict(what="resume", models="gpt-mp2", steps=24, every=4, kill_after=10, repeat=3),
+    "saves --repeat 3": dict(what="saves", models="gpt-mp2", steps=40, every=8, repeat=3),
 }
 
 
