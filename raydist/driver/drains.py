@@ -59,6 +59,8 @@ class DrainWatch:
     def notice(self, nodes: Iterable[str]) -> Notice | None:
         """A `Notice` if a node among ``nodes`` started draining since the last notice; else None."""
         draining = self.draining
+        if not draining:  # the common case, once per train call: nothing to build
+            return None
         hit = {n: draining[n] for n in set(nodes) if n in draining}
         if not set(hit) - self._told:
             return None

@@ -124,16 +124,17 @@ def fit(
 
 def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":
     """With ``resume``: the run in ``directory`` to go on with (None: start one); without it, an empty directory."""
-    if not directory or not checkpoint.exists(directory) or not checkpoint.listing(directory):
+    names = checkpoint.listing(directory) if directory and checkpoint.exists(directory) else []
+    if not names:
         return None
     if not resume:
         raise ValueError(f"checkpoint_dir {directory} is not empty: give each fit a directory of its own, "
                          "or pass resume=True to go on with the run in it")  # fmt: skip
     found = runs.latest_checkpoint(directory)
     leftovers = checkpoint.staged(directory)
-    if found is None and len(leftovers) < len(checkpoint.listing(directory)):
+    if found is None and len(leftovers) < len(names):
         raise ValueError(f"checkpoint_dir {directory} holds no complete raydist checkpoint, but other files: "
-                         f"{sorted(checkpoint.listing(directory))[:5]}")  # fmt: skip
+                         f"{sorted(names)[:5]}")  # fmt: skip
     if found is not None and "fit" not in found.record:
         raise ValueError(f"{found.path} was not written by fit (DistModel.save): resume=True goes on with a fit's run")
     for staged in leftovers:  # saves a dead driver never completed
