@@ -140,10 +140,90 @@ def resume_table(names: list[str], steps: int, every: int, kill_after: int, repe
                 lines = _finish(process)
                 again.append(_first_step(lines, started))
                 same &= bool(np.allclose(_losses(lines), calm, rtol=1e-5))
-            twice = kill_after - kill_after // every * every
-            rows.append(f"| {name} | {statistics.median(fresh):.1f} | {statistics.median(again):.1f} | {twice} "
-                        f"| {'yes' if same else 'NO'} |")  # fmt: skip
-            print(rows[-1], flush=True)
-    header = ("| model | fresh run: driver start to first step (s) | run again after a SIGKILL: driver start to "
-              "first step (s) | steps computed twice | losses equal the fresh run's (rtol 1e-5) |")
+            rows.append(_row(name, fresh, again, kill_after - kill_after // every * every, same))
+    return _table("fresh run: driver start to first step (s) | run again after a SIGKILL: driver start to first "
+                  "step (s) | steps computed twice", rows)  # fmt: skip
+
+
+def _row(name: str, fresh: list[float], other: list[float], steps: int, same: bool) -> str:
+    row = (f"| {name} | {statistics.median(fresh):.1f} | {statistics.median(other):.1f} | {steps} "
+           f"| {'yes' if same else 'NO'} |")  # fmt: skip
+    print(row, flush=True)
+    return row
+
+
+def _table(columns: str, rows: list[str]) -> str:
+    header = f"| model | {columns} | losses equal the fresh run's (rtol 1e-5) |"
     return "\n".join([header, "|---|---:|---:|---:|---|", *rows])
+
+
+ATTACH_SCRIPT = """
+import json, sys, time
+import paddle, ray
+import raydist
+from bench import models
+
+phase, name, steps, before = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ray.init(runtime_env=RANK_ENV, log_to_driver=False)
+data = models.data(name, steps)
+if phase == "attach":
+    dm = raydist.attach("bench-attach")
+    first = before
+else:
+    dm = raydist.to_static(lambda: models.build_layer(name), None, models.loss(name),
+                           lambda p: paddle.optimizer.AdamW(1e-3, parameters=p), num_workers=models.world_size(name),
+                           name="bench-attach" if phase == "detach" else None, detached=phase == "detach")
+    first = 0
+losses = []
+for x, y in data[first:before if phase == "detach" else steps]:
+    losses.append(float(dm(x, y)))
+    if len(losses) == 1:
+        print("first-step", time.time(), flush=True)
+print("losses", json.dumps(losses), flush=True)
+if phase == "detach":
+    print("hanging", flush=True)
+    time.sleep(3600)
+dm.shutdown()
+"""
+
+
+def _attach_driver(head: _Head, phase: str, name: str, steps: int, before: int) -> tuple[subprocess.Popen, float]:
+    env = {**os.environ, "RAY_ADDRESS": head.address, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    code = "from bench.run import RANK_ENV\n" + textwrap.dedent(ATTACH_SCRIPT)
+    started = time.time()
+    process = subprocess.Popen([sys.executable, "-c", code, phase, name, str(steps), str(before)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))  # fmt: skip
+    return process, started
+
+
+def attach_table(names: list[str], steps: int, before: int, repeat: int) -> str:
+    """Round-robin: a fresh driver's start to its first step, against a new driver attaching to a detached
+    model whose driver was SIGKILLed after ``before`` steps; whether the two drivers' losses are the fresh run's."""
+    import numpy as np
+
+    rows = []
+    with _Head() as head:
+        for name in names:
+            fresh, attached, same = [], [], True
+            for _ in range(repeat):
+                process, started = _attach_driver(head, "fresh", name, steps, before)
+                lines = _finish(process)
+                fresh.append(_first_step(lines, started))
+                calm = _losses(lines)
+
+                process, _ = _attach_driver(head, "detach", name, steps, before)
+                lines = []
+                for line in process.stdout:
+                    lines.append(line)
+                    if line.startswith("hanging"):
+                        break
+                process.kill()
+                process.wait()
+                first = _losses(lines)
+                process, started = _attach_driver(head, "attach", name, steps, before)
+                lines = _finish(process)
+                attached.append(_first_step(lines, started))
+                same &= bool(np.allclose(first + _losses(lines), calm, rtol=1e-5))
+            rows.append(_row(name, fresh, attached, 0, same))
+    return _table("fresh driver: start to first step (s) | attach after the driver's SIGKILL: new driver's start to "
+                  "first step (s) | steps lost", rows)  # fmt: skip

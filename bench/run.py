@@ -9,6 +9,7 @@
     python -m bench startup [--repeat 2] [--models mlp-mp2]
     python -m bench resume [--models gpt-mp2] [--steps 24] [--every 4] [--kill-after 10] [--repeat 3]
     python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
+    python -m bench attach [--models gpt-mp2] [--steps 12] [--before 6] [--repeat 3]
     python -m bench COMMAND --help      (each command's options and defaults; --no-write: no BENCHMARKS.md entry)
 
 For each model, the same model, data and ranks under these runners, round-robin:
@@ -31,7 +32,7 @@ lost or joining node costs (bench/elastic.py); ``pipeline``, the bench GPT on tw
 pipeline stages next to dp2 and mp2, with each stage's bubble (bench/pipeline.py); ``startup``,
 where a model's start goes (bench/startup.py); ``restart``, a killed rank's cost until the next
 step, with and without spare ranks (bench/restart.py); ``resume``, a job killed and run
-again (bench/outlive.py); ``saves``, a checkpoint's stall of the loop (bench/saves.py). Tables are
+again, and ``attach``, a detached model attached by a new driver (bench/outlive.py); ``saves``, a checkpoint's stall of the loop (bench/saves.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
 """
 
@@ -267,7 +268,7 @@ def models_table(args) -> str:
     return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
 
 
-COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "saves")
+COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "attach", "saves")
 
 
 def _names(known: list[str]) -> Callable[[str], str]:
@@ -344,6 +345,12 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--every", type=int, default=4, help="checkpoint_every")
     sub.add_argument("--kill-after", type=int, default=10, help="steps completed when the driver is killed")
     sub.add_argument("--repeat", type=int, default=3, help="runs of each kind, round-robin (medians)")
+    sub = command("attach", "a new driver attached to a detached model after a SIGKILL: time to its first step "
+                            "(bench/outlive.py)")  # fmt: skip
+    sub.add_argument("--models", default="gpt-mp2", help="comma-separated")
+    sub.add_argument("--steps", type=int, default=12, help="steps per run")
+    sub.add_argument("--before", type=int, default=6, help="steps the detached model's first driver runs")
+    sub.add_argument("--repeat", type=int, default=3, help="runs of each kind, round-robin (medians)")
     sub = command("saves", "a checkpoint's stall of the loop, synchronous and in the background (bench/saves.py)")
     sub.add_argument("--models", default="gpt-mp2", help="comma-separated")
     sub.add_argument("--steps", type=int, default=40, help="steps per run")
@@ -375,6 +382,12 @@ def main(argv=None) -> None:
         from bench.outlive import resume_table
 
         table = resume_table(args.models.split(","), args.steps, args.every, args.kill_after, args.repeat)
+        _write(args, argv, table)
+        return
+    if args.what == "attach":  # a head of its own
+        from bench.outlive import attach_table
+
+        table = attach_table(args.models.split(","), args.steps, args.before, args.repeat)
         _write(args, argv, table)
         return
     if args.what == "elastic":  # clusters of its own
@@ -418,7 +431,7 @@ def _write(args, argv, table: str) -> None:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with open(ROOT / "BENCHMARKS.md", "a") as f:
             steps = (f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians"
-                     if args.what in ("elastic", "resume", "saves")
+                     if args.what in ("elastic", "resume", "saves", "attach")
                      else "models started one after another" if args.what == "startup"
                      else "kill to next step, medians" if args.what == "restart"
                      else f"{args.steps} timed steps after {args.warmup} warm-up steps")

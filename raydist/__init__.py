@@ -10,6 +10,7 @@ switches modes, sends batches and gathers results::
 """
 
 from .data import Handle, ShardDataloader, shard_dataloader
+from .driver.detached import ModelHeldError
 from .driver.model import DistModel, to_static
 from .driver.runs import CheckpointInfo, latest_checkpoint
 from .driver.status import RankStatus, status
@@ -18,16 +19,35 @@ from .errors import GroupShutdownError, RankError, UsageError
 
 __version__ = "0.1.0"
 
+
+def attach(name: str, loader: ShardDataloader | None = None, take_over: bool = False) -> DistModel:
+    """The live `DistModel` of the detached model ``name`` (``to_static(..., name=name, detached=True)``),
+    from any later driver: in its mode, at its step, with its learning-rate schedule, specs and size.
+
+    Connects to the running Ray cluster (``RAY_ADDRESS``, or ``ray start``'s) if not connected.
+    ``loader``: a `raydist.shard_dataloader` for the model to read (as ``to_static``'s ``loader``).
+    A model another live driver holds is refused (`ModelHeldError`, naming it) unless
+    ``take_over``: then that driver's next call fails, and its ``shutdown`` no longer ends the model.
+    An unknown name is a LookupError listing the detached models there are. ``dm.shutdown()`` ends
+    the model; a driver that ends without it lets go of the model, for the next ``attach``.
+    """
+    from .driver.detached import attach as _attach
+
+    return _attach(name, loader, take_over)
+
+
 __all__ = [
     "CheckpointInfo",
     "DistModel",
     "GroupShutdownError",
     "Handle",
     "Loss",
+    "ModelHeldError",
     "RankError",
     "RankStatus",
     "ShardDataloader",
     "UsageError",
+    "attach",
     "latest_checkpoint",
     "shard_dataloader",
     "status",

@@ -169,6 +169,20 @@ class BuildReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reattached:
+    """Where a rank stands when a new driver attaches to it (`raydist.attach`): its mode, the
+    modes it has built (its mode last), the number of its next step, the train steps it completed
+    (and whether the last one broke off), and its learning rate as `BuildReport` gives it."""
+
+    mode: str | None
+    built: list[str]
+    next_step: int
+    trained: int
+    broke_off: bool
+    learning_rate: float | bytes | None
+
+
+@dataclasses.dataclass(frozen=True)
 class ReadOrder:
     """What a data-parallel group's reader reads: one epoch of its split, from step ``start``.
 

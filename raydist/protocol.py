@@ -21,7 +21,7 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import BuildReport, Parcel, Progress, RankAnswers, ReadOrder, StepResults
+from .messages import BuildReport, Parcel, Progress, RankAnswers, ReadOrder, Reattached, StepResults
 from .net import free_port
 from .topology import ModePlan
 
@@ -132,9 +132,22 @@ class RankActor(Member):
         self.rank, self.world_size = int(env["PADDLE_TRAINER_ID"]), int(env["PADDLE_TRAINERS_NUM"])
         self.group = group
         fixes, self.device = join(env, use_gpu)
+        self.data_timeout = data_timeout
         self.data = DataService(self.device, data_timeout)
         self.model = ModelService(self.rank, self.world_size, self.device)
         return fixes
+
+    @reports_rank
+    def reattach(self) -> Reattached:
+        """A new driver holds this rank (its model's detached, the driver before gone): forget the
+        old driver's loaders and relays; where the rank stands. In the thread of the driver's
+        calls, so it answers once the steps the old driver sent are done."""
+        from .worker.data import DataService
+
+        self.data.close()
+        self.data = DataService(self.device, self.data_timeout)
+        self.relays = None
+        return self.model.reattached()
 
     # -- the model ---------------------------------------------------------------
 

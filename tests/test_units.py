@@ -607,6 +607,7 @@ BENCH_FORMS = {
     "elastic --models mlp-dp2xmp2": dict(what="elastic", models="mlp-dp2xmp2", steps=24, repeat=1),
     "resume": dict(what="resume", models="gpt-mp2", steps=24, every=4, kill_after=10, repeat=3),
     "saves --repeat 3": dict(what="saves", models="gpt-mp2", steps=40, every=8, repeat=3),
+    "attach": dict(what="attach", models="gpt-mp2", steps=12, before=6, repeat=3),
 }
 
 
@@ -726,3 +727,40 @@ def test_a_ranks_staged_batches_of_an_epoch_stay_until_a_step_of_the_next_is_tak
     assert not [k for k in staging._batches if k[1] < 2]
     with pytest.raises(TimeoutError):
         staging.take((7, 1, 1), timeout=0.1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(detached=True), r"detached=True needs a name="),
+    (dict(detached=True, name="m", dispatch="compiled"), r"dispatch='compiled' cannot be detached"),
+    (dict(detached=True, name="m", spare_ranks=1), r"spare_ranks cannot be used with detached=True"),
+    (dict(name=""), r"name must be a non-empty str"),
+])  # fmt: skip
+def test_a_detached_model_without_what_it_needs_is_refused_before_anything_starts(kwargs, message, monkeypatch):
+    """Refused by the argument checks, which run before Ray is even connected to."""
+    import paddle
+
+    import raydist
+    from models import build, sgd
+
+    def no_ray(*args):
+        raise AssertionError("Ray was connected to before the arguments were checked")
+
+    monkeypatch.setattr("raydist.driver.model.init_ray", no_ray)
+    with pytest.raises(ValueError, match=message):
+        raydist.to_static(build("dp"), None, paddle.nn.MSELoss(), sgd(), num_workers=2, **kwargs)
+
+
+def test_a_detached_models_record_hands_it_over_by_compare_and_set_and_counts_let_go_drivers():
+    from raydist.driver.detached import Holder, ModelRecord
+
+    a, b, c = (Holder(f"0{i}000000", 100 + i, "host", 0.0) for i in range(3))
+    record = ModelRecord(a)
+    assert record.take(b, expected=c) == a  # c does not hold it: nothing changes
+    assert record.take(b, expected=a) == b
+    record.release(a)  # a holds it no more: nothing changes
+    assert record.holder() == b and not record.has_let_go(a)
+    record.let_go(a)
+    assert record.has_let_go(a)
+    record.release(b)
+    assert record.holder() is None and record.take(c, expected=None) == c
+    assert "pid 102 on host (Ray job 02000000" in str(c)

@@ -41,6 +41,9 @@ class GroupConfig:
             from `RankGroup.envs` (`raydist launch`).
         preload: modules CPU ranks import while they start (``ray.data`` when
             they will read a loader).
+        detached: the actors and their placement group outlive the driver (Ray's
+            ``lifetime="detached"``, in the namespace `DETACHED_NAMESPACE`, where
+            any later driver finds them by name); see `raydist.driver.detached`.
     """
 
     num_workers: int
@@ -55,11 +58,17 @@ class GroupConfig:
     step_timeout_s: float | None = None
     actor_class: type[Member] = RankActor
     preload: tuple[str, ...] = ()
+    detached: bool = False
 
     def bundle(self) -> dict[str, float]:
         if self.resources_per_rank is not None:
             return dict(self.resources_per_rank)
         return {"CPU": 1.0, "GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+
+
+# Where the actors of detached models live: a driver's own namespace is anonymous (a new one per
+# driver), so a later driver could not find them there.
+DETACHED_NAMESPACE = "raydist"
 
 
 @functools.cache
@@ -72,7 +81,9 @@ def start_actor(cfg: GroupConfig, name: str, rank: int, world_size: int, schedul
     """One actor of ``cfg.actor_class`` holding one rank's resources; CPU rank actors start
     importing Paddle at once (GPU ones once their devices are known)."""
     res = cfg.bundle()
+    lifetime = {"lifetime": "detached", "namespace": DETACHED_NAMESPACE} if cfg.detached else {}
     actor = _remote(cfg.actor_class).options(
+        **lifetime,
         name=name,
         num_cpus=res.get("CPU", 0),
         num_gpus=res.get("GPU", 0),

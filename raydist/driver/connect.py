@@ -46,7 +46,30 @@ def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -
     num_cpus = max(os.cpu_count() or 1, int(math.ceil(num_workers * cpus)) + DATA_CPUS)
     log.info("raydist: starting a local Ray instance with %d CPUs", num_cpus)
     ray.init(address="local", num_cpus=num_cpus)
+    global _started
+    _started = ray.get_runtime_context().get_session_name()
     return True
+
+
+_started: str | None = None  # the session of the local Ray init_ray started, if it did
+
+
+def ray_started_here() -> bool:
+    """Whether the Ray this process is connected to is one `init_ray` started (it ends with the process)."""
+    return ray.is_initialized() and _started == ray.get_runtime_context().get_session_name()
+
+
+def connect_to_cluster(why: str) -> None:
+    """Connect to the running Ray cluster (``RAY_ADDRESS``, or Ray's address file) unless connected;
+    a LookupError if there is none (a new local Ray would hold nothing to ``why``)."""
+    if ray.is_initialized():
+        return
+    recorded = _recorded_address()
+    if os.environ.get("RAY_ADDRESS") or (recorded is not None and _reachable(recorded)):
+        ray.init()
+        return
+    raise LookupError(f"no running Ray cluster to {why} (RAY_ADDRESS is not set, and no `ray start` cluster "
+                      "runs on this machine)")  # fmt: skip
 
 
 def _recorded_address() -> str | None:

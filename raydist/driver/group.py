@@ -47,10 +47,12 @@ class RankGroup:
     """``num_workers`` actors that form one Paddle process group.
 
     ``spares``: started rank actors (`raydist.driver.spares.SparePool`) to use
-    before starting new ones; the group owns them from here on.
+    before starting new ones; the group owns them from here on. ``adopt``: the
+    actors and placement group of a group that runs already (a detached model's,
+    which a new driver attaches to): they are neither placed nor joined again.
     """
 
-    def __init__(self, config: GroupConfig, spares: Sequence = ()):
+    def __init__(self, config: GroupConfig, spares: Sequence = (), adopt: tuple[list, object] | None = None):
         self.config = config
         self._spares = list(spares)
         self.actors: list = list(spares)  # killed with the group, should its start fail
@@ -65,9 +67,14 @@ class RankGroup:
         self.adopted: list[int] = []  # the ranks that were spares
         self.prefix = ""  # of the actors' names
         self._alive = False
+        self._why = "the rank group is shut down (after shutdown() or a rank failure)"
+        self._let_go = False
         self._on_shutdown: list = []
         self._on_death: list = []
-        self._start()
+        if adopt is None:
+            self._start()
+        else:
+            self._adopt(*adopt)
 
     # -- start -----------------------------------------------------------------
 
@@ -91,16 +98,27 @@ class RankGroup:
                 self.shutdown()
                 raise
 
+    def _adopt(self, actors: list, pg) -> None:
+        self.actors, self._pg, self._owns_pg = list(actors), pg, True
+        self._bundles = list(range(len(actors)))
+        self.prefix = self.config.name or ""
+        self._alive = True
+        placed = self.gather([a.place.remote() for a in self.actors], "attach")
+        self.places = [p for p, _ in placed]
+        self.pids = [pid for _, pid in placed]
+        self.nodes = [p.node_id for p in self.places]
+
     def _place(self) -> None:
         """The placement group and bundles of the ranks: a new group of our own, or, when
         this runs inside a placement group (a Ray Tune trial, say), that group's last bundles."""
         cfg = self.config
         current = get_current_placement_group()
-        if current is None or self._spares:
+        if current is None or self._spares or cfg.detached:  # a detached group outlives any caller's
             missing = cfg.num_workers - len(self._spares)
             self._owns_pg, self._bundles = True, list(range(missing))
             if missing:
-                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement_strategy)
+                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement_strategy,
+                                           lifetime="detached" if cfg.detached else None)  # fmt: skip
                 wait_placed(self._pg, cfg.bundle(), missing, cfg.placement_timeout_s)
             return
         self._pg, self._owns_pg = current, False
@@ -174,7 +192,7 @@ class RankGroup:
 
     def check_alive(self) -> None:
         if not self._alive:
-            raise GroupShutdownError("the rank group is shut down (after shutdown() or a rank failure)")
+            raise GroupShutdownError(self._why)
 
     def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
                watch: "Watch | None" = None, steps: range | None = None) -> list:  # fmt: skip
@@ -291,10 +309,23 @@ class RankGroup:
         """Call ``callback()`` once the ranks are killed (e.g. to close a compiled graph)."""
         self._on_shutdown.append(callback)
 
-    def shutdown(self) -> None:
-        """Kill every rank and free the placement group. Idempotent."""
+    @property
+    def placement_group(self):
+        """The placement group the ranks are in (None for spares only)."""
+        return self._pg
+
+    def let_go(self, why: str) -> None:
+        """Stop using the ranks without stopping them (a detached model another driver took over);
+        ``why``: what the calls that follow are told."""
+        self._why = why
         self._alive = False
-        if not ray.is_initialized():
+        self._on_shutdown = []
+        self._let_go = True
+
+    def shutdown(self) -> None:
+        """Kill every rank and free the placement group (unless this driver let go of them). Idempotent."""
+        self._alive = False
+        if not ray.is_initialized() or self._let_go:
             return
         callbacks, self._on_shutdown = self._on_shutdown, []
         for a in self.actors:

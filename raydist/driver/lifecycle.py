@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from .. import checkpoint
+from ..errors import RankError
 from ..protocol import RankActor
 from .client import RankClient
 from .elastic import Sizes, size_now
 from .actors import GroupConfig
 from .group import RankGroup
+from .detached import Hold, Snapshot
 from .drains import DrainWatch, Notice
 from .placement import placeable_now
 from .recovery import Recovery
@@ -73,11 +76,14 @@ class Lifecycle:
         self.spares = SparePool(config, spare_ranks)
         self.went_on_live = False  # whether the last restart went on from the survivors' state
         self.client: RankClient | None = None
+        self.meshes: list = []  # of the layer's parameters, as the live group built them
         self._room: RoomWatch | None = None
         self._drains: DrainWatch | None = None  # from the first start on
         self.notice: Notice | None = None  # the last preemption notice a fixed-size group could not move off
         self._stop_spares = weakref.finalize(self, _on_a_thread(self.spares.shutdown))
         self._finalizer: weakref.finalize | None = None
+        self.hold: Hold | None = None  # this driver's hold on a detached model (`raydist.driver.detached`)
+        self.snapshot: Callable[[], Snapshot] | None = None  # what a detached model's record keeps of it
 
     # -- starting --------------------------------------------------------------------
 
@@ -100,22 +106,88 @@ class Lifecycle:
         client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
                             step_timeout=config.step_timeout_s, first_step=first_step,
                             steps_per_message=d.steps_per_message)  # fmt: skip
-        self.client = client
-        self._finalizer = weakref.finalize(self, _on_a_thread(client.close))
+        self._took(client)
         try:
             report = client.call(RankActor.build, ray.put(self.payload))[0]
         except BaseException:
             client.close()
             raise
         self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
+        self.meshes = report.meshes
         self.modes.started(client, report.meshes)
         self.rates.started(report.learning_rate)
         self.state.client = client
         self.modes.resume()
         client.after_first_step(self.spares.fill)  # spares' Paddle import would slow the start
+        self._watching()
+
+    def _took(self, client: RankClient) -> None:
+        """``client``'s group is the live one: it stops when this model is dropped, or, if it is
+        detached, this driver lets go of it."""
+        self.client = client
+        stop = self.hold.release if self.hold is not None else client.close
+        self._finalizer = weakref.finalize(self, _on_a_thread(stop))
+
+    def _watching(self) -> None:
+        """The live group is ready: watch for room, drains and (detached) the hold; publish it."""
         self._watch_room()
         if self._drains is None:
             self._drains = DrainWatch()
+        if self.hold is not None:
+            self.publish()
+            self.hold.watch(_weakly(self._lost))
+
+    def adopt(self, actors: list, pg: Any, meshes: list, mode: str, rate: Any = None) -> None:
+        """Take over the running ranks of a detached model (its driver gone, or taken over): where
+        they stand (their step, modes, learning rate) is asked of them. If a rank is gone, or the
+        ranks disagree (their driver died while it sent a step), a new group starts from the last
+        checkpoint instead. ``rate``: the learning rate's newest position, as the driver before knew it."""
+        self.meshes = meshes
+        try:
+            group = RankGroup(self.config, adopt=(actors, pg))
+            stands = group.gather([a.reattach.remote() for a in group.actors], "attach")
+        except RankError as e:
+            return self._start_over(f"a rank is gone ({str(e).splitlines()[0]})")
+        if len({s.trained for s in stands}) > 1 or any(s.broke_off for s in stands):
+            group.shutdown()
+            return self._start_over(f"the ranks stand at different train steps {[s.trained for s in stands]}")
+        d = self.dispatch
+        client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
+                            step_timeout=self.config.step_timeout_s, first_step=max(s.next_step for s in stands),
+                            steps_per_message=d.steps_per_message)  # fmt: skip
+        self._took(client)
+        self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
+        self.modes.adopt(client, meshes, stands[0].built)
+        self.rates.started(stands[0].learning_rate)
+        self.rates.catch_up(rate)
+        self.state.client = client
+        if stands[0].built:
+            self.state.built("train" in stands[0].built)
+        self.modes.mode = mode
+        self.modes.resume()
+        self._watching()
+
+    def _start_over(self, why: str) -> None:
+        """A new group for a detached model whose ranks cannot go on, from its last checkpoint."""
+        path = self.state.last_checkpoint
+        log.warning("raydist: the detached model %r cannot go on where it stood: %s; starting its ranks again "
+                    "from %s", self.hold.name, why, path or "its initial parameters (no checkpoint)")  # fmt: skip
+        self.start(first_step=checkpoint.read_manifest(path).get("step", 0) if path else 0)
+        if path is not None:
+            self.state.load(path, self.modes.built("train"))
+
+    def publish(self) -> None:
+        """Keep what a later driver needs of a detached model in its record (after each change)."""
+        if self.hold is not None and self.client is not None and self.client.alive:
+            group = self.client.group
+            self.hold.publish(self.snapshot(), group.actors, group.placement_group)
+
+    def _lost(self, why: str) -> None:
+        """Another driver took this detached model over: stop using its ranks, without stopping them."""
+        log.warning("raydist: %s", why)
+        self._stop_watching_room()
+        if self.client is not None:
+            self.client.group.let_go(why)
 
     # -- replacing the group -----------------------------------------------------------
 
@@ -236,7 +308,10 @@ class Lifecycle:
             self.client.close()
 
     def shutdown(self, drain: bool = True) -> None:
-        """Stop every rank (after the steps in flight, if ``drain``) and the spares. Idempotent."""
+        """Stop every rank (after the steps in flight, if ``drain``) and the spares; a detached model
+        ends (unless another driver took it over: then this one only lets go). Idempotent."""
+        if self.hold is not None:
+            self.hold.end()
         if drain:
             self.state.wait_saved()
         self._stop_watching_room()

@@ -15,6 +15,7 @@ What users hold. It reads like Paddle's class and delegates each job to one part
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from .. import pickling
 from ..data.loader import ShardDataloader
 from ..strategy import micro_batch_size, micro_batches
 from .client import RankClient
-from .connect import init_ray
+from .connect import init_ray, ray_started_here
 from .actors import GroupConfig
 from .inputs import InputSpecs, leaves
 from .lifecycle import Dispatch, Lifecycle
@@ -36,6 +37,8 @@ from .validation import check_arguments, group_sizes, input_specs
 
 if TYPE_CHECKING:
     from .schedule import RankScheduler
+
+log = logging.getLogger("raydist")
 
 
 class DistModel:
@@ -103,6 +106,12 @@ class DistModel:
             CPUs) and joined to nothing, each holding one rank's resources, for
             the next `restart` (a failure, in `fit` too) or resize to use instead
             of starting processes (`python -m bench restart`). 0: none.
+        detached: the ranks and their placement group outlive this driver (a
+            killed script, a notebook's kernel restart): `raydist.attach(name)` in
+            a later driver returns this model, in its mode, at its step; only
+            `shutdown` ends it. Needs a ``name`` and a Ray cluster (``ray start
+            --head``, or ``RAY_ADDRESS``): a local Ray this process starts ends
+            with it. See `raydist.driver.detached`.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -133,9 +142,11 @@ class DistModel:
         dispatch: str = "auto",
         step_timeout_s: float | None = 900.0,
         spare_ranks: int = 0,
+        detached: bool = False,
     ) -> None:
         check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, max_in_flight=max_in_flight,
-                        steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks)  # fmt: skip
+                        steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks, name=name,
+                        detached=detached)  # fmt: skip
         inputs, labels = input_specs(input_spec, loader)
         sizes = group_sizes(num_workers, (inputs or []) + (labels or []), loader, spare_ranks)
         payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
@@ -149,17 +160,66 @@ class DistModel:
         shard_loader = loader if isinstance(loader, ShardDataloader) else None  # read by the ranks
         config = GroupConfig(sizes.max, use_gpu, resources_per_rank, placement_strategy, master_port,
                              placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s,
-                             preload=("ray.data",) if shard_loader is not None else ())  # fmt: skip
+                             preload=("ray.data",) if shard_loader is not None else (), detached=detached)  # fmt: skip
         init_ray(sizes.max, resources_per_rank, use_gpu)
         self._life = Lifecycle(config, sizes, payload,
                                Dispatch(max_in_flight, steps_per_message,
-                                        "compiled" if dispatch == "auto" and use_gpu else dispatch),
+                                        "compiled" if dispatch == "auto" and use_gpu and not detached else dispatch),
                                spare_ranks, self._modes, self._rates, self._state)  # fmt: skip
+        if detached:
+            from .detached import Hold
+
+            if ray_started_here():
+                log.warning("raydist: %r is detached, but this process started the local Ray it runs on, which "
+                            "ends with the process: start a cluster (`ray start --head`) for its ranks to outlive "
+                            "it", name)  # fmt: skip
+            self._hold_on(Hold.create(name))
         if shard_loader is not None:
             shard_loader.prepare()  # the first epoch's split starts while the ranks do
-        self._life.start()
+        try:
+            self._life.start()
+        except BaseException:
+            if detached:
+                self._life.hold.end()
+            raise
         if shard_loader is not None:
             shard_loader.bind(self._client, self._modes.data_meshes)
+
+    def _hold_on(self, hold: Any) -> None:
+        """This driver holds the detached model: its record learns of every change a later driver needs."""
+        life = self._life
+        life.hold, life.snapshot = hold, self._snapshot
+        self._modes.on_change = self._state.on_change = life.publish
+        rates = self._rates  # not self: a dropped model is not held in a cycle
+        rates.on_change = lambda: hold.rate(rates.position())
+
+    def _snapshot(self) -> Any:
+        """What a detached model's record keeps for a later driver (`raydist.driver.detached.Snapshot`)."""
+        from .detached import Snapshot
+
+        life, modes = self._life, self._modes
+        return Snapshot(life.config, life.sizes, life.dispatch, life.payload, self._metrics, modes.specs,
+                        modes.has_loss, modes.has_optimizer, modes.mode, self._state.last_checkpoint,
+                        life.meshes)  # fmt: skip
+
+    @classmethod
+    def _attached(cls, hold: Any, snapshot: Any, actors: list, pg: Any, rate: Any, loader: Any) -> "DistModel":
+        """The model of a detached group of ranks that runs already (see `raydist.attach`)."""
+        self = cls.__new__(cls)
+        self._metrics = snapshot.metrics
+        self._rates = LearningRate()
+        self._state = ModelState(snapshot.has_optimizer, self._rates)
+        self._state.last_checkpoint = snapshot.last_checkpoint
+        self._modes = Modes(snapshot.specs, snapshot.has_loss, snapshot.has_optimizer, self._state.built)
+        self._life = Lifecycle(snapshot.config, snapshot.sizes, snapshot.payload, snapshot.dispatch, 0, self._modes,
+                               self._rates, self._state)  # fmt: skip
+        self._hold_on(hold)
+        if isinstance(loader, ShardDataloader):
+            loader.prepare()
+        self._life.adopt(actors, pg, snapshot.meshes, snapshot.mode, rate)
+        if isinstance(loader, ShardDataloader):
+            loader.bind(self._client, self._modes.data_meshes)
+        return self
 
     @property
     def _client(self) -> RankClient:
@@ -385,7 +445,8 @@ class DistModel:
         self._life.restart()
 
     def shutdown(self) -> None:
-        """Complete the steps in flight, then stop every rank and free their resources. Idempotent."""
+        """Complete the steps in flight, then stop every rank and free their resources; a detached
+        model ends (a driver another one took it over from only lets go). Idempotent."""
         self._life.shutdown(drain=True)
 
     def _close(self) -> None:

@@ -50,6 +50,7 @@ class Modes:
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._rank_specs: Specs | None = None  # the specs the ranks have
         self.plans: dict[str, ModePlan] = {}  # mode -> what its steps fetch (rank 0's)
+        self.on_change: Callable[[], None] | None = None  # told when the mode or the specs change
 
     def started(self, client: RankClient, meshes: list[Mesh]) -> None:
         """A new group of ranks built the layer (``meshes``: its parameters' meshes): no program yet."""
@@ -58,6 +59,19 @@ class Modes:
         self.specs.place(*self.data_meshes)
         self._rank_mode = self._rank_specs = None
         self.plans = {}
+
+    def adopt(self, client: RankClient, meshes: list[Mesh], built: list[str]) -> None:
+        """A group that runs this model already (a detached model's ranks, attached to): the plans
+        of the modes it ``built`` (its current mode last, so it stays in it) are asked again."""
+        self.started(client, meshes)
+        if not built:
+            return
+        specs = self.specs.current()
+        client.call(RankActor.set_specs, specs[0] or [], specs[1] or [])
+        self._rank_specs = specs
+        for mode in built:
+            self.plans[mode] = ModePlan.merge(client.call(RankActor.set_mode, mode))
+        self._rank_mode = built[-1]
 
     def resume(self) -> None:
         """Put the ranks in the model's mode, if its program can be built without a batch."""
@@ -78,6 +92,11 @@ class Modes:
         self.client.drain()
         self.mode = mode
         self.resume()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def built(self, mode: str) -> bool:
         return mode in self.plans
@@ -109,6 +128,7 @@ class Modes:
             self.specs.accept(specs, mode)
             if new:
                 self._on_built("train" in self.plans)
+                self._changed()
 
     def message(self, values: list, lr: Callable[[], tuple[LrChange, ...]]) -> StepMessage:
         """The step message for a call's arguments (flattened), once they are checked and the ranks are

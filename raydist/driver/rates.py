@@ -9,6 +9,7 @@ message, so it takes effect from the next call on, as in one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import pickling
@@ -25,6 +26,7 @@ class LearningRate:
         self.scheduler: RankScheduler | None = None  # the same handle for the user across restarts
         self.value: float | None = None  # a float learning rate (None with a scheduler, or no optimizer)
         self._changes: list[LrChange] = []
+        self.on_change: Callable[[], None] | None = None  # told after each change (a detached model's record)
 
     def started(self, built: float | bytes | None) -> None:
         """A new group of ranks built its optimizer with ``built`` (a float, a pickled scheduler, or None):
@@ -36,9 +38,14 @@ class LearningRate:
 
             replica = pickling.loads(built)
             if self.scheduler is None:
-                self.scheduler = RankScheduler(replica, self._changes.append)
+                self.scheduler = RankScheduler(replica, self._change)
             else:
-                self.scheduler._rebind(replica, self._changes.append)
+                self.scheduler._rebind(replica, self._change)
+
+    def _change(self, change: LrChange) -> None:
+        self._changes.append(change)
+        if self.on_change is not None:
+            self.on_change()
 
     def now(self) -> float | None:
         """The learning rate the next train step uses."""
@@ -49,7 +56,7 @@ class LearningRate:
         if self.scheduler is not None:
             raise ValueError("the optimizer's learning rate is an LRScheduler: change it with dm.lr_scheduler")
         self.value = float(value)
-        self._changes.append(LrChange("value", (self.value,)))
+        self._change(LrChange("value", (self.value,)))
 
     def take_changes(self) -> tuple[LrChange, ...]:
         """The changes made since the last step was sent, for the next one."""
@@ -69,6 +76,15 @@ class LearningRate:
             self.scheduler.set_state_dict(position)
         elif position is not None and position != self.value:
             self.set(position)
+
+    def catch_up(self, position: Any) -> None:
+        """Go to ``position`` if it is ahead of where the ranks stand (a detached model's record kept
+        the schedule's changes that its driver made but never sent: it died first)."""
+        if isinstance(position, dict) and self.scheduler is not None:
+            if position.get("last_epoch", -1) > self.scheduler.state_dict().get("last_epoch", -1):
+                self.go_to(position)
+        elif isinstance(position, float) and self.scheduler is None:
+            self.go_to(position)
 
     def manifest(self) -> dict:
         """What a checkpoint's manifest keeps of it."""

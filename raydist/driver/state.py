@@ -10,6 +10,7 @@ is built) is restored when it is built (`ModelState.built`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import logging
@@ -34,10 +35,22 @@ class ModelState:
         self.client: RankClient | None = None  # the live group's, from its start on
         self.rates = rates
         self.has_optimizer = has_optimizer
-        self.last_checkpoint: str | None = None  # the latest saved or loaded, for restart()
+        self._last_checkpoint: str | None = None
+        self.on_change: Callable[[], None] | None = None  # told when last_checkpoint changes
         self._pending: tuple[str, dict] | None = None  # (path, {name: manifest entry}) still to restore
         self.names: set[str] = set()  # every tensor of the state, as of the last build
         self._saving: threading.Thread | None = None  # a background save's commit
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The latest checkpoint saved or loaded, for restart()."""
+        return self._last_checkpoint
+
+    @last_checkpoint.setter
+    def last_checkpoint(self, path: str | None) -> None:
+        self._last_checkpoint = path
+        if self.on_change is not None:
+            self.on_change()
 
     def meta(self, mode: str = "all") -> dict[str, tuple]:
         """{name: (global shape, dtype, layout)} of the state."""

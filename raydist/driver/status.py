@@ -1,4 +1,5 @@
-"""``raydist.status()``: the live raydist ranks of the cluster this driver is connected to."""
+"""``raydist.status()``: the live raydist ranks of the cluster this driver is connected to,
+detached models' (`raydist.driver.detached`) with who holds them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import dataclasses
 import re
 
 import ray
+
+from .actors import DETACHED_NAMESPACE
 
 _RANK_NAME = re.compile(r"^(?P<group>.+)-(rank|spare)-(?P<rank>\d+)$")
 
@@ -22,6 +25,8 @@ class RankStatus:
     device: str  # "cpu" or "gpu:<index>"
     mode: str | None  # "train", "eval", "predict", or None before the first mode is built
     peak_rss_mib: float
+    detached: bool = False  # a detached model's rank (it outlives its driver: raydist.attach(group))
+    held_by: str | None = None  # of a detached model: the live driver that holds it (None: none does)
 
 
 def status(timeout_s: float = 10.0) -> list[RankStatus]:
@@ -38,13 +43,16 @@ def status(timeout_s: float = 10.0) -> list[RankStatus]:
     # list comes from the GCS, which every cluster has; ranks are named
     # "<group>-rank-<i>" (raydist.driver.group), or "<pool>-spare-<j>" (raydist.driver.spares).
     actors = []
+    detached: dict[str, str | None] = {}  # group -> its holder
     for entry in ray.util.list_named_actors(all_namespaces=True):
         match = _RANK_NAME.match(entry["name"])
         if match:
             try:
                 actors.append((match["group"], ray.get_actor(entry["name"], namespace=entry["namespace"])))
             except ValueError:  # gone meanwhile
-                pass
+                continue
+            if entry["namespace"] == DETACHED_NAMESPACE and match["group"] not in detached:
+                detached[match["group"]] = _holder(match["group"])
     refs = []
     for group, actor in actors:
         try:
@@ -63,6 +71,18 @@ def status(timeout_s: float = 10.0) -> list[RankStatus]:
             continue
         if report["rank"] < 0:  # a spare no group has adopted yet
             continue
-        out.append(RankStatus(group=report.get("group") or group,
-                              **{f.name: report[f.name] for f in dataclasses.fields(RankStatus) if f.name != "group"}))
+        group = report.get("group") or group
+        own = {f.name: report[f.name] for f in dataclasses.fields(RankStatus) if f.name in report and f.name != "group"}
+        out.append(RankStatus(group=group, detached=group in detached, held_by=detached.get(group), **own))
     return sorted(out, key=lambda s: (s.group, s.rank))
+
+
+def _holder(name: str) -> str | None:
+    """Who holds the detached model ``name`` (None: no live driver, or no record)."""
+    from .detached import find, holder_of
+
+    try:
+        holder = holder_of(find(name))
+    except (LookupError, ray.exceptions.RayError):
+        return None
+    return None if holder is None else str(holder)

@@ -21,7 +21,8 @@ DISPATCH = ("auto", "compiled", "calls", "tree")
 
 
 def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gpu: bool, max_in_flight: Any,
-                    steps_per_message: Any, dispatch: Any, spare_ranks: Any) -> None:  # fmt: skip
+                    steps_per_message: Any, dispatch: Any, spare_ranks: Any, name: Any = None,
+                    detached: bool = False) -> None:  # fmt: skip
     """Refuse arguments that cannot make a model (see `raydist.DistModel` for what each takes)."""
     import paddle
 
@@ -68,7 +69,21 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
         raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
     if not isinstance(spare_ranks, int) or isinstance(spare_ranks, bool) or spare_ranks < 0:
         raise ValueError(f"spare_ranks must be an int >= 0, got {spare_ranks!r}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if detached:
+        _check_detached(name, dispatch, spare_ranks)
     check_strategy(strategy, use_gpu)
+
+
+def _check_detached(name: Any, dispatch: str, spare_ranks: int) -> None:
+    if name is None:
+        raise ValueError("detached=True needs a name= (raydist.attach(name) finds the model by it)")
+    if dispatch == "compiled":
+        raise ValueError("dispatch='compiled' cannot be detached: a compiled graph's ranks wait on channels that "
+                         "end with its driver; use dispatch='calls' or 'tree' ('auto' picks one of them)")  # fmt: skip
+    if spare_ranks:
+        raise ValueError("spare_ranks cannot be used with detached=True: spare ranks end with their driver")
 
 
 def input_specs(input_spec: Any, loader: Any) -> tuple[list | None, list | None]:

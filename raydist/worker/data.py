@@ -50,6 +50,10 @@ class DataService:
     def fail(self, loader: int, epoch: int, error: str) -> None:
         self.staging.fail(loader, epoch, error)
 
+    def close(self) -> None:
+        """Stop reading (a new driver attached: its loaders are new to the ranks)."""
+        self.reader.close()
+
     def take(self, message: LoaderStep) -> list:
         """The staged batch of a loader step, its columns in ``message.keys`` order."""
         key = (message.loader, message.epoch, message.step)
@@ -132,6 +136,11 @@ class Reader:
             thread.start()
         except BaseException:
             thread.fail()
+
+    def close(self) -> None:
+        threads, self._threads = self._threads, {}
+        for thread in threads.values():
+            thread.stop()
 
     def consumed(self, loader: int, epoch: int, step: int) -> None:
         """This rank took ``step``: its reader may read one more ahead."""

@@ -12,7 +12,7 @@ import paddle
 
 from .. import pickling
 from ..errors import UsageError
-from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, StepMessage, StepResults
+from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, Reattached, StepMessage, StepResults
 from ..specs import TensorSpec
 from ..strategy import pipeline_stages
 from ..topology import Mesh, ModePlan
@@ -34,6 +34,7 @@ class ModelService:
         self._starts: collections.deque = collections.deque(maxlen=100_000)
         self._running: tuple[int, float] | None = None  # (step, since when) running now or waiting for its data
         self.trained = 0  # train steps completed since the build (the live state's position)
+        self.next_step = 0  # the number after the last step run, whatever its mode (for a driver that attaches)
         self.broke_off = False  # whether the last train step raised (a peer's death, say)
         self._idle = threading.Event()  # no step running: the state is between two steps
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # background checkpoint writes
@@ -121,6 +122,7 @@ class ModelService:
                 try:
                     batch = data.take(message) if isinstance(message, LoaderStep) else None
                     results.append(self.step(message, batch))
+                    self.next_step = number + 1
                 except Exception as e:
                     e.raydist_step = number
                     raise
@@ -167,6 +169,13 @@ class ModelService:
             return None
         torn = self.broke_off and not self.runner.updates_last
         return self.trained, torn, self.runner.state_dict("all")
+
+    def reattached(self) -> Reattached:
+        """Where this rank stands, for a driver that attaches to it (the one before it gone)."""
+        runner = self.runner
+        built = sorted(runner.modes, key=lambda m: m == runner.mode) if runner is not None else []
+        return Reattached(runner.mode if runner is not None else None, built, self.next_step, self.trained,
+                          self.broke_off, self.schedule.report() if self.schedule is not None else None)
 
     def take_starts(self) -> list[float]:
         starts, self._starts = self._starts, collections.deque(maxlen=100_000)

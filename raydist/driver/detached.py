@@ -1,0 +1,292 @@
+"""Detached models: ranks that outlive their driver, and `raydist.attach` from a later one.
+
+``to_static(..., name="run-1", detached=True)`` starts the ranks and their
+placement group with Ray's ``lifetime="detached"`` (`raydist.driver.actors.GroupConfig`):
+a notebook's kernel restart, a dropped connection or a killed driver leaves them
+running. What a new driver needs that only the driver knew (the builders, the
+specs, the mode, the sizes, the last checkpoint: a `Snapshot`) lives in one small
+detached actor per model, its `ModelRecord` (``raydist-model-<name>``, no CPU),
+with the rank actors and the placement group; the ranks themselves tell where they
+stand (their step, modes built, learning rate: `raydist.protocol.RankActor.reattach`).
+
+One driver at a time holds a model. The record keeps the holder (`Holder`) and
+hands the model over by compare-and-set; a holder counts as alive while its Ray
+job does (Ray marks a driver's job dead within a fraction of a second of the
+driver's death, so a kernel restart's new driver attaches at once). A driver that
+was taken over learns it within `HOLD_POLL_S` and says so to the record, which the
+new driver waits for (so two drivers never send steps at once): its next call
+raises `raydist.GroupShutdownError` naming the new holder, and its ``shutdown`` no
+longer stops the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from .actors import DETACHED_NAMESPACE, GroupConfig
+
+if TYPE_CHECKING:
+    from .elastic import Sizes
+    from .inputs import InputSpecs
+    from .lifecycle import Dispatch
+    from .model import DistModel
+
+log = logging.getLogger("raydist")
+
+RECORD_PREFIX = "raydist-model-"  # a detached model's record actor: RECORD_PREFIX + its name
+HOLD_POLL_S = 2.0  # how often a holding driver checks that it still holds its model
+
+
+class ModelHeldError(RuntimeError):
+    """`raydist.attach` was refused: another live driver holds the model (``take_over=True`` takes it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """The driver that holds a detached model: its Ray job, process and host."""
+
+    job_id: str
+    pid: int
+    host: str
+    since: float
+
+    @classmethod
+    def here(cls) -> "Holder":
+        return cls(ray.get_runtime_context().get_job_id(), os.getpid(), socket.gethostname(), time.time())
+
+    def __str__(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"the driver with pid {self.pid} on {self.host} (Ray job {self.job_id}, holding since {since})"
+
+    def alive(self) -> bool:
+        """Whether the holder's Ray job still runs."""
+        return self.job_id not in _dead_jobs()
+
+
+def _dead_jobs() -> set[str]:
+    """The ids of the Ray jobs that ended. Private Ray: 2.60's public job listings
+    (``ray.util.state.list_jobs``, the job submission client) answer through the
+    dashboard, which a cluster may run without; the GCS's job table is what they read."""
+    from ray._private.state import jobs
+
+    return {j["JobID"] for j in jobs() if j["IsDead"]}
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What only the driver knows of a model and a new driver needs: how it was made, its
+    specs and mode, and the last checkpoint (pickled by the driver; the record never opens it)."""
+
+    config: GroupConfig
+    sizes: Sizes
+    dispatch: Dispatch
+    payload: bytes
+    metrics: list
+    specs: InputSpecs
+    has_loss: bool
+    has_optimizer: bool
+    mode: str
+    last_checkpoint: str | None
+    meshes: list
+
+
+class ModelRecord:
+    """A detached model's record, as a Ray actor: the driver's `Snapshot` (pickled), the rank
+    actors, their placement group, and the holder. Its calls run one at a time, so `take` is atomic."""
+
+    def __init__(self, holder: Holder):
+        self._snapshot: bytes | None = None
+        self._actors: list = []
+        self._pg = None
+        self._holder: Holder | None = holder
+        self._let_go: set[Holder] = set()  # drivers that were taken over and stopped using the ranks
+        self._rate: Any = None  # the learning rate's newest position (`LearningRate.position`)
+
+    def publish(self, snapshot: bytes, actors: list, pg: Any) -> None:
+        self._snapshot, self._actors, self._pg = snapshot, list(actors), pg
+
+    def set_rate(self, position: Any) -> None:
+        self._rate = position
+
+    def read(self) -> tuple[bytes | None, list, Any, Holder | None, Any]:
+        return self._snapshot, self._actors, self._pg, self._holder, self._rate
+
+    def holder(self) -> Holder | None:
+        return self._holder
+
+    def take(self, holder: Holder, expected: Holder | None) -> Holder | None:
+        """Hold the model as ``holder`` if ``expected`` still does; who holds it now."""
+        if self._holder == expected:
+            self._holder = holder
+        return self._holder
+
+    def release(self, holder: Holder) -> None:
+        if self._holder == holder:
+            self._holder = None
+
+    def let_go(self, holder: Holder) -> None:
+        """``holder``, taken over, stopped using the ranks."""
+        self._let_go.add(holder)
+
+    def has_let_go(self, holder: Holder) -> bool:
+        return holder in self._let_go
+
+
+class Hold:
+    """This driver's hold on a detached model: publishes its snapshot, watches that it still
+    holds it (``on_lost(why)`` once it does not), lets go or ends the record."""
+
+    def __init__(self, name: str, record: Any, holder: Holder):
+        self.name, self.record, self.holder = name, record, holder
+        self.lost = False
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def create(cls, name: str) -> "Hold":
+        """A new record for a model ``name``; a ValueError if a detached model of that name exists."""
+        holder = Holder.here()
+        try:
+            record = _record_class().options(name=RECORD_PREFIX + name, namespace=DETACHED_NAMESPACE,
+                                             lifetime="detached", num_cpus=0).remote(holder)  # fmt: skip
+        except ValueError:  # the name is taken
+            raise ValueError(
+                f"a detached model named {name!r} exists already ({_held_by(find(name))}): attach to it with "
+                f"raydist.attach({name!r}), end it with raydist.attach({name!r}).shutdown(), or choose another name"
+            ) from None
+        return cls(name, record, holder)
+
+    def publish(self, snapshot: Snapshot, actors: list, pg: Any) -> None:
+        from .. import pickling
+
+        if not self.lost:
+            self.record.publish.remote(pickling.dumps(snapshot, "the model's record"), actors, pg)
+
+    def rate(self, position: Any) -> None:
+        """The learning rate's position after a change: the ranks learn of it with the next step, which
+        a driver that dies first never sends."""
+        if not self.lost:
+            self.record.set_rate.remote(position)
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Check every `HOLD_POLL_S` that this driver still holds the model; ``on_lost(why)`` once not."""
+
+        def run() -> None:
+            while not self._stopped.wait(HOLD_POLL_S):
+                try:
+                    now = ray.get(self.record.holder.remote(), timeout=30)
+                except ray.exceptions.RayActorError:
+                    now = "ended"
+                except Exception:  # noqa: BLE001 - Ray is busy or shutting down: look again, or stop
+                    continue
+                if now != self.holder:
+                    self.lost = True
+                    on_lost(f"the detached model {self.name!r} was ended by another driver" if now == "ended"
+                            else f"the detached model {self.name!r} was taken over by {now}")  # fmt: skip
+                    if now != "ended":
+                        self.record.let_go.remote(self.holder)  # the new holder waits for this
+                    return
+
+        if self._thread is None:
+            self._thread = threading.Thread(target=run, name="raydist-hold", daemon=True)
+            self._thread.start()
+
+    def release(self) -> None:
+        """Let go of the model (it stays for another driver to attach to)."""
+        self._stopped.set()
+        if not self.lost and ray.is_initialized():
+            try:
+                self.record.release.remote(self.holder)
+            except Exception:  # noqa: BLE001 - Ray is shutting down: the job's death frees the hold as well
+                pass
+
+    def end(self) -> None:
+        """The model ended: its record goes too."""
+        self._stopped.set()
+        if not self.lost and ray.is_initialized():
+            try:
+                ray.kill(self.record, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def models() -> list[str]:
+    """The names of the detached models in the cluster this driver is connected to."""
+    if not ray.is_initialized():
+        return []
+    return sorted(entry["name"][len(RECORD_PREFIX):] for entry in ray.util.list_named_actors(all_namespaces=True)
+                  if entry["namespace"] == DETACHED_NAMESPACE and entry["name"].startswith(RECORD_PREFIX))  # fmt: skip
+
+
+def find(name: str) -> Any:
+    """The record actor of the detached model ``name``; a LookupError listing the models there are."""
+    try:
+        return ray.get_actor(RECORD_PREFIX + name, namespace=DETACHED_NAMESPACE)
+    except ValueError:
+        there = models()
+        raise LookupError(
+            f"no detached model named {name!r} in this Ray cluster; "
+            + (f"there are: {', '.join(repr(m) for m in there)}" if there else "there are none")
+        ) from None
+
+
+def holder_of(record: Any) -> Holder | None:
+    """Who holds the model now: a live driver, or None."""
+    holder = ray.get(record.holder.remote())
+    return holder if holder is not None and holder.alive() else None
+
+
+def _held_by(record: Any) -> str:
+    holder = holder_of(record)
+    return f"held by {holder}" if holder is not None else "held by no live driver"
+
+
+def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
+    """The live `DistModel` of the detached model ``name`` (see `raydist.attach`)."""
+    from .. import pickling
+    from .connect import connect_to_cluster
+    from .model import DistModel
+
+    connect_to_cluster(f"attach to the detached model {name!r}")
+    record = find(name)
+    blob, actors, pg, holder, rate = ray.get(record.read.remote())
+    if blob is None:
+        raise LookupError(f"the detached model {name!r} is still starting: attach once its to_static returned")
+    if holder is not None and holder.alive() and not take_over:
+        raise ModelHeldError(f"the detached model {name!r} is held by {holder}; attach(..., take_over=True) "
+                             "takes it over (that driver's next call then fails)")  # fmt: skip
+    me = Holder.here()
+    now = ray.get(record.take.remote(me, holder))
+    if now != me:
+        raise ModelHeldError(f"the detached model {name!r} was taken meanwhile by {now}")
+    if holder is not None and holder.alive():
+        _wait_let_go(record, holder)
+        log.warning("raydist: took the detached model %r over from %s", name, holder)
+    snapshot = pickling.loads(blob)
+    return DistModel._attached(Hold(name, record, me), snapshot, actors, pg, rate, loader)
+
+
+def _wait_let_go(record: Any, holder: Holder) -> None:
+    """Wait until the driver taken over stops using the ranks (it looks every `HOLD_POLL_S`), or is gone."""
+    deadline = time.monotonic() + 3 * HOLD_POLL_S + 5
+    while not ray.get(record.has_let_go.remote(holder)) and holder.alive():
+        if time.monotonic() > deadline:
+            log.warning("raydist: %s did not let go of the model within %.0f s; going on", holder,
+                        3 * HOLD_POLL_S + 5)  # fmt: skip
+            return
+        time.sleep(0.1)
+
+
+@functools.cache
+def _record_class():
+    return ray.remote(ModelRecord)
