@@ -8,9 +8,14 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 
 - `rings`: auto-parallel process groups on CPU/gloo (CPU builds only).
 - `collectives`: collectives that pick their gloo ring by id (CPU builds only).
-- `stages`: parameters of other pipeline stages at initialisation (CPU builds only).
+- `stages`: parameters of other pipeline stages, resharded eagerly (CPU builds only).
+- `degree`: a pipeline's ``pp_degree`` from its stage meshes when left at 1 (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
 - `executor`: the executor's per-step printing of the whole program (all devices).
+
+Every rank applies them through `apply`, whoever drives it: raydist's ranks
+(`raydist.worker.join`) and the scripts `raydist launch` runs
+(`raydist.integrations.spmd`).
 - `store`: the TCP store client's 3-second connect retry (all devices; before
   ``init_parallel_env``, not a patch: see `wait_for_master`).
 """
@@ -63,11 +68,12 @@ def apply(use_gpu: bool) -> list[str]:
             stacklevel=2,
         )
     disabled = disabled_fixes()
-    from . import collectives, engine, executor, rings, stages
+    from . import collectives, degree, engine, executor, rings, stages
 
     fixes = [("engine", engine.apply), ("executor", executor.apply)]
     if not use_gpu:
-        fixes += [("rings", rings.apply), ("collectives", collectives.apply), ("stages", stages.apply)]
+        fixes += [("rings", rings.apply), ("collectives", collectives.apply), ("stages", stages.apply),
+                  ("degree", degree.apply)]  # fmt: skip
     applied = []
     for name, fix in fixes:
         if name not in disabled:

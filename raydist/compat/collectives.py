@@ -254,7 +254,17 @@ def apply() -> None:
         finally:
             _deferring_p2p = False
 
+    # A script's own DistModel steps through Engine.run (raydist's ranks run the executor
+    # themselves and flush after each step): its sends are flushed there too.
+    original_run = engine.Engine.run
+
+    def run(self, *args, **kwargs):
+        result = original_run(self, *args, **kwargs)
+        flush()
+        return result
+
     engine.remove_unuseful_comm_op_pass = remove_unuseful_comm_op_pass
     engine.pipeline_pass = pipeline_pass
     engine.Engine._parallel_pir = _parallel_pir
+    engine.Engine.run = run
     _applied = True

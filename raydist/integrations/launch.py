@@ -3,13 +3,15 @@
     raydist launch -n 4 [--gpus] [--address ADDR] script.py [args...]
     python -m raydist launch -n 4 script.py [args...]
 
-What ``python -m paddle.distributed.launch`` does on one machine, on a Ray
-cluster: each rank runs the script in a process of its own with the
-environment Paddle's launcher sets (`raydist.env`), its output streamed here
-with a ``[rank i]`` prefix, and the exit status is the script's: non-zero as
-soon as any rank fails (its traceback is on stderr), and then the other ranks
-are stopped. On CPU the ranks run with raydist's Paddle fixes
-(`raydist.compat`), so scripts that use ``dist.to_static`` work on gloo too.
+What ``python -m paddle.distributed.launch`` does on one machine, on a Ray cluster: each
+rank runs the script in a process of its own with the environment Paddle's launcher sets
+(`raydist.env`), its output streamed here with a ``[rank i]`` prefix, and the exit
+status is the script's: non-zero as soon as any rank fails (its traceback is on stderr),
+and then the other ranks are stopped. A rank's process that outlives its script's end
+(Paddle's or gloo's teardown stuck, seen after a failed collective) is ended after
+`LINGER_GRACE_S`, with the script's status, and the launch says which rank lingered. On
+CPU the ranks run with raydist's Paddle fixes (`raydist.compat`), so scripts that use
+``dist.to_static`` work on gloo too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -31,6 +34,7 @@ from ..driver.connect import init_ray
 from ..driver.actors import GroupConfig
 from ..driver.group import RankGroup
 from ..env import QUIET_GLOG_LEVEL
+from ..integrations.spmd import END_FD
 from ..protocol import Member
 
 log = logging.getLogger("raydist")
@@ -43,29 +47,49 @@ class ScriptActor(Member):
     def run_script(self, env: dict[str, str], path: str, source: str, args: list[str],
                    cwd: str) -> Iterator[tuple[str, object]]:  # fmt: skip
         """Run an SPMD script as this rank, in a child process that dies with this actor.
-        Yields ("out" | "err", line) as the script prints, then ("exit", status)."""
+        Yields ("out" | "err", line) as the script prints, ("lingered", seconds) if its process
+        outlived the script's end by `LINGER_GRACE_S` and was killed, then ("exit", status): the
+        script's own."""
         if not (os.path.isfile(path) and open(path, encoding="utf-8").read() == source):
             path = os.path.join(tempfile.mkdtemp(prefix="raydist-launch-"), os.path.basename(path))
             with open(path, "w", encoding="utf-8") as f:  # another node: the driver's copy
                 f.write(source)
+        ended_r, ended_w = os.pipe()  # the script's status, written as it ends (raydist.integrations.spmd)
         child = subprocess.Popen(
             dying_with_this_process([sys.executable, "-m", "raydist.integrations.spmd", path, *args]),
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, cwd=cwd if os.path.isdir(cwd) else os.path.dirname(path),
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1", END_FD: str(ended_w)}, pass_fds=(ended_w,),
+            cwd=cwd if os.path.isdir(cwd) else os.path.dirname(path),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
         )  # fmt: skip
+        os.close(ended_w)
         lines: queue.Queue = queue.Queue()
+        ended: list = []  # [(status, when)] once the script has ended
 
         def pump(stream, kind):
             for line in stream:
                 lines.put((kind, line.rstrip("\n")))
             lines.put(None)
 
+        def wait_for_end():
+            with os.fdopen(ended_r) as f:
+                text = f.read().strip()
+            if text:
+                ended.append((int(text), time.monotonic()))
+
         for stream, kind in ((child.stdout, "out"), (child.stderr, "err")):
             threading.Thread(target=pump, args=(stream, kind), daemon=True).start()
+        threading.Thread(target=wait_for_end, daemon=True).start()
         quiet = env.get("GLOG_minloglevel") == QUIET_GLOG_LEVEL
-        open_streams, in_flags_dump = 2, False
+        open_streams, in_flags_dump, lingered = 2, False, None
         while open_streams:
-            item = lines.get()
+            try:
+                item = lines.get(timeout=0.2)
+            except queue.Empty:
+                since = time.monotonic() - ended[0][1] if ended else 0.0
+                if lingered is None and since > LINGER_GRACE_S and child.poll() is None:
+                    lingered = since
+                    child.kill()  # its pipes close with it
+                continue
             if item is None:
                 open_streams -= 1
                 continue
@@ -77,7 +101,14 @@ class ScriptActor(Member):
                     in_flags_dump = not item[1].startswith("=====")
                     continue
             yield item
-        yield ("exit", child.wait())
+        code = child.wait()
+        if lingered is not None:
+            yield ("lingered", round(lingered, 1))
+        yield ("exit", ended[0][0] if ended else code)
+
+
+# How long a script's process may outlive the script (Paddle's and gloo's teardown) before it is killed.
+LINGER_GRACE_S = 3.0
 
 
 # The first thing a launched script's process runs (``python -c``, before it execs the script's command):
@@ -113,10 +144,12 @@ def launch(
     name: str | None = None,
     stdout=None,
     stderr=None,
+    env: dict[str, str] | None = None,
 ) -> int:
     """Run ``script`` on ``num_workers`` ranks; returns its exit status (0 when every rank succeeded).
 
-    Connects to the Ray that is initialised, or starts a local one.
+    Connects to the Ray that is initialised, or starts a local one. ``env``: more environment
+    variables for every rank's script.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     with open(script, encoding="utf-8") as f:
@@ -125,6 +158,7 @@ def launch(
     group = RankGroup(GroupConfig(num_workers, use_gpu, name=name or "raydist-launch", paddle_logs=paddle_logs,
                                   actor_class=ScriptActor))  # fmt: skip
     lock, codes, failed = threading.Lock(), [None] * num_workers, threading.Event()
+    lingered: dict[int, float] = {}  # rank -> seconds its process outlived its script, then killed
 
     def follow(rank: int, stream) -> None:
         try:
@@ -132,6 +166,8 @@ def launch(
                 kind, value = ray.get(ref)
                 if kind == "exit":
                     codes[rank] = value
+                elif kind == "lingered":
+                    lingered[rank] = value
                 else:
                     with lock:
                         print(f"[rank {rank}] {value}", file=stdout if kind == "out" else stderr, flush=True)
@@ -146,8 +182,8 @@ def launch(
     cwd = os.getcwd()
     # Paddle's launcher also names the pod; DistModel then joins the group via fleet.init
     pod = {"POD_NAME": uuid.uuid4().hex[:6]}
-    streams = [a.run_script.remote({**env, **pod}, os.path.abspath(script), source, list(args), cwd)
-               for a, env in zip(group.actors, group.envs)]  # fmt: skip
+    streams = [a.run_script.remote({**rank_env, **pod, **(env or {})}, os.path.abspath(script), source, list(args),
+                                   cwd) for a, rank_env in zip(group.actors, group.envs)]  # fmt: skip
     threads = [threading.Thread(target=follow, args=(r, s), daemon=True) for r, s in enumerate(streams)]
     for t in threads:
         t.start()
@@ -165,6 +201,10 @@ def launch(
         group.shutdown()
         if started:
             ray.shutdown()
+    for rank, seconds in sorted(lingered.items()):
+        print(f"raydist launch: rank {rank}'s process lingered after its script ended (Paddle's or gloo's "
+              f"teardown); it was ended after {seconds:.0f} s, with the script's status {codes[rank]}",
+              file=stderr)  # fmt: skip
     return _status(codes, stderr)
 
 
