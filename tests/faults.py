@@ -36,6 +36,25 @@ def die_after_writing_on_rank_1():
     checkpoint.write_pieces = write_then_die
 
 
+def die_after_a_background_write_on_rank_1():
+    """On rank 1, the process is killed once its background checkpoint write is done, when the driver
+    asks for it (`RankActor.saved`): after `save_pieces` has returned, so the kill never overtakes
+    its answer, as one in the write's own thread can on a loaded machine. (Nothing that imports
+    Paddle may be imported here: Paddle's dygraph mode is per importing thread.)"""
+    from raydist.protocol import RankActor
+
+    saved = RankActor.saved
+
+    def saved_then_die(self, directory):
+        name = saved(self, directory)
+        if self.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return name
+
+    saved_then_die.__dict__.update(saved.__dict__)  # its concurrency group
+    RankActor.saved = saved_then_die
+
+
 def pause_a_save_when_flagged():
     """Once the file named by $RAYDIST_TEST_FLAG exists, the next checkpoint write (of
     whichever rank comes first) removes it, then, after writing, waits 5 s, or until the

@@ -133,7 +133,7 @@ def test_a_background_save_whose_rank_dies_while_writing_leaves_the_old_checkpoi
     with dm_of("mp", 2) as dm:
         float(dm(x, y))
         dm.save(str(tmp_path / "old"), background=True)  # shutdown waits for it
-    dm = dm_of("mp", 2, runtime_env=faults.hook("die_after_writing_on_rank_1"))
+    dm = dm_of("mp", 2, runtime_env=faults.hook("die_after_a_background_write_on_rank_1"))
     float(dm(x, y))
     dm.save(str(tmp_path / "new"), background=True)
     with pytest.raises(raydist.RankError) as info:
