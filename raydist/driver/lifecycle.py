@@ -101,18 +101,12 @@ class Lifecycle:
         if placement_timeout_s is not None:
             config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
         group = RankGroup(config, spares)
-        group.on_death(_weakly(self._salvage))
-        d = self.dispatch
-        client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
-                            step_timeout=config.step_timeout_s, first_step=first_step,
-                            steps_per_message=d.steps_per_message)  # fmt: skip
-        self._took(client)
+        client = self._took(group, first_step)
         try:
             report = client.call(RankActor.build, ray.put(self.payload))[0]
         except BaseException:
             client.close()
             raise
-        self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
         self.meshes = report.meshes
         self.modes.started(client, report.meshes)
         self.rates.started(report.learning_rate)
@@ -121,12 +115,19 @@ class Lifecycle:
         client.after_first_step(self.spares.fill)  # spares' Paddle import would slow the start
         self._watching()
 
-    def _took(self, client: RankClient) -> None:
-        """``client``'s group is the live one: it stops when this model is dropped, or, if it is
-        detached, this driver lets go of it."""
+    def _took(self, group: RankGroup, first_step: int) -> RankClient:
+        """``group`` is the live one, its steps numbered from ``first_step``: its client. It stops when
+        this model is dropped (if it is detached, this driver lets go of it instead)."""
+        group.on_death(_weakly(self._salvage))
+        d = self.dispatch
+        client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
+                            step_timeout=group.config.step_timeout_s, first_step=first_step,
+                            steps_per_message=d.steps_per_message)  # fmt: skip
         self.client = client
         stop = self.hold.release if self.hold is not None else client.close
         self._finalizer = weakref.finalize(self, _on_a_thread(stop))
+        self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
+        return client
 
     def _watching(self) -> None:
         """The live group is ready: watch for room, drains and (detached) the hold; publish it."""
@@ -151,12 +152,7 @@ class Lifecycle:
         if len({s.trained for s in stands}) > 1 or any(s.broke_off for s in stands):
             group.shutdown()
             return self._start_over(f"the ranks stand at different train steps {[s.trained for s in stands]}")
-        d = self.dispatch
-        client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
-                            step_timeout=self.config.step_timeout_s, first_step=max(s.next_step for s in stands),
-                            steps_per_message=d.steps_per_message)  # fmt: skip
-        self._took(client)
-        self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
+        client = self._took(group, max(s.next_step for s in stands))
         self.modes.adopt(client, meshes, stands[0].built)
         self.rates.started(stands[0].learning_rate)
         self.rates.catch_up(rate)
