@@ -456,3 +456,38 @@ def test_executor_defect_every_run_prints_the_whole_program_and_a_frozen_one_is_
     )
     printed = int(out.split("printed")[1])
     assert printed == (1 if frozen else 5), out  # frozen: by `freeze`, not by the runs
+
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_groups_defect_every_gloo_group_rendezvous_under_the_same_bare_keys(fixed):
+    """Behind raydist.compat.groups: ProcessGroupGloo's constructor writes its address under
+    the bare key "0" (its rank in the group) of the global store, whatever the group: a later
+    group's peers can read an earlier group's address there (the pp2 x dp2 launch failed so,
+    3 times in 5). With the fix, a group's rendezvous stays in a store of its own."""
+    from raydist.net import free_port
+
+    out = run_plain_paddle(
+        f"""
+        import threading
+        from paddle.base import core
+        from paddle.distributed import collective
+        if {fixed}:
+            from raydist.compat import groups
+            groups.apply()
+        store = core.TCPStore("127.0.0.1", {free_port("127.0.0.1")}, True, 1, 30)
+
+        def present(key):
+            got = []
+            threading.Thread(target=lambda: got.append(store.get(key)), daemon=True).start()
+            threading.Event().wait(1.0)  # a missing key blocks get
+            return bool(got)
+
+        collective._new_process_group_impl("gloo", store, 0, 1, "g5", None, group_id=5)
+        print("bare", present("0"), "prefixed", present("5/0"))
+        """,
+        env=dict(PADDLE_TRAINER_ID="0", PADDLE_TRAINERS_NUM="1", PADDLE_TRAINER_ENDPOINTS="127.0.0.1:1",
+                 PADDLE_CURRENT_ENDPOINT="127.0.0.1:1"),
+    )  # fmt: skip
+    # "5/0" is the group's communicator (prefixed by its id): in the fix's own store, not the global one
+    assert out.strip() == ("bare False prefixed False" if fixed else "bare True prefixed True"), out

@@ -10,6 +10,7 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 - `collectives`: collectives that pick their gloo ring by id (CPU builds only).
 - `stages`: parameters of other pipeline stages, resharded eagerly (CPU builds only).
 - `degree`: a pipeline's ``pp_degree`` from its stage meshes when left at 1 (CPU builds only).
+- `groups`: gloo process groups after the global one, each with a rendezvous of its own (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
 - `executor`: the executor's per-step printing of the whole program (all devices).
 
@@ -68,12 +69,12 @@ def apply(use_gpu: bool) -> list[str]:
             stacklevel=2,
         )
     disabled = disabled_fixes()
-    from . import collectives, degree, engine, executor, rings, stages
+    from . import collectives, degree, engine, executor, groups, rings, stages
 
     fixes = [("engine", engine.apply), ("executor", executor.apply)]
     if not use_gpu:
         fixes += [("rings", rings.apply), ("collectives", collectives.apply), ("stages", stages.apply),
-                  ("degree", degree.apply)]  # fmt: skip
+                  ("degree", degree.apply), ("groups", groups.apply)]  # fmt: skip
     applied = []
     for name, fix in fixes:
         if name not in disabled:
