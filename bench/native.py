@@ -8,12 +8,15 @@ rank's step times, data waits, CPU time of the timed steps, losses, first-step t
 """
 
 import json
+import os
 import resource
 import sys
 import time
 
 
-def main(name: str, warmup: int, steps: int) -> None:
+def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
+    """``feed``: "loader" (Paddle's shard_dataloader over a paddle.io.DataLoader, what a native
+    user runs) or "ideal" (the first batch, fed again at every step: no data cost at all)."""
     import numpy as np
     import paddle
     import paddle.distributed as dist
@@ -33,11 +36,13 @@ def main(name: str, warmup: int, steps: int) -> None:
     dm = dist.to_static(layer, loader, models.loss(name), paddle.optimizer.AdamW(1e-3, parameters=layer.parameters()))
     dm.train()
     times, waits, losses, first = [], [], [], None
+    progress = os.environ.get("RAYDIST_BENCH_PROGRESS") == "1"
     it = iter(loader())
     cpu = time.process_time()
+    first_batch = next(it)
     for i in range(warmup + steps):
         t = time.perf_counter()
-        x, y = next(it)
+        x, y = first_batch if (feed == "ideal" or i == 0) else next(it)
         got = time.perf_counter()
         losses.append(float(dm(x, y)))
         if i == 0:  # built: raydist.compat.executor keys it once, as raydist's ranks do
@@ -50,6 +55,8 @@ def main(name: str, warmup: int, steps: int) -> None:
         if i >= warmup:
             times.append(done - t)
             waits.append(got - t)
+        if progress and i % 100 == 0:  # for bench/profile.py
+            print(f"STEP {i} {time.time()}", flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"times": times, "waits": waits, "first_step_at": first, "losses": losses, "peak_mib": peak,
               "cpu_s": time.process_time() - cpu}
@@ -57,4 +64,4 @@ def main(name: str, warmup: int, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])

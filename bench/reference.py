@@ -20,6 +20,8 @@ def main(name: str, steps: int) -> None:
 
     if models.MODELS[name][0] == "mlp":  # the quickstart's MLP always shards: on one process
         layer = models.build_layer(name, dist.ProcessMesh([[0]], dim_names=models.MODELS[name][2]))
+    elif models.MODELS[name][0] == "wide":
+        layer = models.Wide(None)
     else:
         layer = models.GPT(None)
     optimizer = paddle.optimizer.AdamW(1e-3, parameters=layer.parameters())

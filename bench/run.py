@@ -10,6 +10,8 @@
     python -m bench resume [--models gpt-mp2] [--steps 24] [--every 4] [--kill-after 10] [--repeat 3]
     python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
     python -m bench attach [--models gpt-mp2] [--steps 12] [--before 6] [--repeat 3]
+    python -m bench small [--models mlp-mp2,wide-mp2] [--steps 300] [--repeat 3] [--compiled]
+    python -m bench profile [--models mlp-mp2] [--seconds 20] [--every 0]
     python -m bench COMMAND --help      (each command's options and defaults; --no-write: no BENCHMARKS.md entry)
 
 For each model, the same model, data and ranks under these runners, round-robin:
@@ -54,10 +56,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_ENV = {"env_vars": {"PYTHONPATH": str(ROOT)}}
+RATE_NOTE = "100 samples per second, idle threads left out"
 DISPATCH = ["auto"]  # raydist's dispatch for this run (--dispatch)
 
 
-def run_native(name: str, warmup: int, steps: int) -> dict:
+def run_native(name: str, warmup: int, steps: int, feed: str = "loader") -> dict:
     from bench.models import MODELS, world_size
     from raydist.env import RankPlace, paddle_env
     from raydist.net import free_port
@@ -71,7 +74,7 @@ def run_native(name: str, warmup: int, steps: int) -> dict:
     for rank in range(n):
         env = {**os.environ, **paddle_env(rank, places, endpoints, f"127.0.0.1:{ports[0]}", use_gpu=False),
                "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.native", name, str(warmup), str(steps)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.native", name, str(warmup), str(steps), feed],
                                       env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
     outs = [p.communicate(timeout=1800) for p in procs]
@@ -268,7 +271,8 @@ def models_table(args) -> str:
     return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", *rows])
 
 
-COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "attach", "saves")
+COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "attach", "saves", "small",
+            "profile")
 
 
 def _names(known: list[str]) -> Callable[[str], str]:
@@ -356,6 +360,18 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--steps", type=int, default=40, help="steps per run")
     sub.add_argument("--every", type=int, default=8, help="a save every this many steps")
     sub.add_argument("--repeat", type=int, default=3, help="runs of each kind, round-robin (medians)")
+    sub = command("small", "small steps: the loader loop by how often it reads a loss, next to native (bench/small.py)")
+    sub.add_argument("--models", default="mlp-mp2,wide-mp2", help="comma-separated")
+    sub.add_argument("--steps", type=int, default=300, help="timed steps")
+    sub.add_argument("--warmup", type=int, default=20, help="steps before the timed ones")
+    sub.add_argument("--repeat", type=int, default=3, help="rounds, each runner once per round (medians)")
+    sub.add_argument("--reads", default="never,every 10,every step", help="how often the loop reads a loss, "
+                     "comma-separated among: never, every 10, every step")  # fmt: skip
+    sub.add_argument("--compiled", action="store_true", help="each read also over a compiled graph")
+    sub = command("profile", "where rank 0's time goes in a loop of small steps, next to native (bench/profile.py)")
+    sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
+    sub.add_argument("--seconds", type=int, default=20, help="how long py-spy samples each loop")
+    sub.add_argument("--every", type=int, default=0, help="read a loss every this many steps (0: never)")
     sub = command("startup", "where a model's start goes (bench/startup.py)")
     sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
     sub.add_argument("--repeat", type=int, default=2, help="models started one after another")
@@ -414,6 +430,15 @@ def main(argv=None) -> None:
             from bench.saves import saves_table
 
             table = saves_table(args.models.split(","), args.steps, args.every, args.repeat)
+        elif args.what == "small":
+            from bench.small import small_table
+
+            table = small_table(args.models.split(","), args.steps, args.warmup, args.repeat, args.reads.split(","),
+                                args.compiled)  # fmt: skip
+        elif args.what == "profile":
+            from bench.profile import profile_table
+
+            table = profile_table(args.models.split(","), args.seconds, args.every)
         elif args.what == "pipeline":
             from bench.pipeline import pipeline_table
 
@@ -430,11 +455,13 @@ def _write(args, argv, table: str) -> None:
     if not args.no_write:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         with open(ROOT / "BENCHMARKS.md", "a") as f:
-            steps = (f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians"
+            steps = (f"py-spy on rank 0 for {args.seconds:g} s of each loop, {RATE_NOTE}" if args.what == "profile"
+                     else f"{args.steps} steps per run, {args.repeat} run(s) of each kind, medians"
                      if args.what in ("elastic", "resume", "saves", "attach")
                      else "models started one after another" if args.what == "startup"
                      else "kill to next step, medians" if args.what == "restart"
-                     else f"{args.steps} timed steps after {args.warmup} warm-up steps")
+                     else f"{args.steps} timed steps after {args.warmup} warm-up steps"
+                     + (f", {args.repeat} interleaved rounds, medians" if args.what == "small" else ""))
             dispatch = f"; dispatch {args.dispatch}" if hasattr(args, "dispatch") else ""
             f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {steps}{dispatch}."
                     f"\n\n{table}\n")  # fmt: skip

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..data.loader import Handle
 from ..messages import ArraysStep, LoaderStep, LrChange, StepMessage
 from ..protocol import RankActor
@@ -136,7 +138,9 @@ class Modes:
         mode = self.mode
         handles = [v for v in values if isinstance(v, Handle)]
         if not handles:
-            arrays = [to_array(v) for v in values]
+            # copies: the step may leave after the call returns (held for the next message, or
+            # sent from a compiled graph's thread), and the caller may refill its arrays by then
+            arrays = [np.array(to_array(v)) for v in values]
             self.enter(mode, self.specs.for_call(array_specs(arrays), mode))
             return ArraysStep(arrays, lr())  # every rank takes its own shard (a view)
         first = handles[0]

@@ -2,9 +2,9 @@
 
 - `Reader`: on a data-parallel group's reader rank, one thread per open epoch
   reads the group's split a chunk of local batches at a time, stores each
-  chunk ONCE in Ray's object store and hands the reference to every rank of
-  its group (itself included), up to ``prefetch`` steps ahead of this rank's
-  steps. Chunks amortise the per-read and per-call costs over several steps.
+  chunk ONCE in Ray's object store (a small one goes inline in the calls) and
+  hands it to every rank of its group (itself included), up to ``prefetch``
+  steps ahead of this rank's steps. Chunks amortise the per-read and per-call costs over several steps.
   The driver sends nothing per step for it.
 - `Staging`: on every rank, turns the batches it is handed into Paddle
   tensors ahead of time, so a step only takes them; how long a step waits
@@ -24,7 +24,7 @@ import traceback
 import numpy as np
 import ray
 
-from ..messages import LoaderStep, ReadOrder
+from ..messages import INLINE_BYTES, LoaderStep, ReadOrder
 
 Key = tuple[int, int, int]  # (loader, epoch, step)
 
@@ -203,7 +203,10 @@ class _ReadThread(threading.Thread):
 
     def _hand_out(self, step: int, batches: list[dict]) -> None:
         remote = [m for m in self.members if m is not None]
-        ref = ray.put(batches) if remote else None  # once, for every other rank of the group
+        nbytes = sum(a.nbytes for batch in batches for a in batch.values())
+        # a large chunk is stored once for every other rank of the group; a small one goes in the
+        # calls themselves, which costs less than a put into the object store (bench/profile.py)
+        ref = ray.put(batches) if remote and nbytes > INLINE_BYTES else batches
         for member in remote:
             member.data_stage.remote(self.order.loader, self.order.epoch, step, ref)
         self.staging.put(self.order.loader, self.order.epoch, step, batches)

@@ -20,6 +20,7 @@ import paddle.distributed as dist
 from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static.dist_input_spec import DistributedInputSpec
 
+from ..compat import disabled_fixes
 from ..compat import engine as compat_engine
 from ..compat import executor as compat_executor
 from ..compat.collectives import flush as flush_sends
@@ -85,6 +86,8 @@ class StaticRunner:
         self._feed: dict[str, list[str]] = {}  # mode -> feed names
         self._held: dict[str, list[bool]] = {}  # mode -> whether this rank holds each value to fetch
         self._plans: dict[str, ModePlan] = {}
+        self._prepared: dict[tuple[str, bool], compat_executor.Prepared] = {}  # (mode, collect) -> its runs
+        self._prepare = "executor" not in disabled_fixes()  # else Paddle's Executor.run, as a canary shows it
         self.specs: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])
         # whether a train step that fails in a collective has updated nothing (compat.engine, behaviour 8)
         self.updates_last = False
@@ -133,14 +136,21 @@ class StaticRunner:
     def step(self, arrays, collect: bool):
         """Run one step on this rank's local batch; the local results if ``collect``."""
         mode = self.mode
-        feed = dict(zip(self._feed[mode], arrays))
-        fetch = self._fetch[mode] if collect else []
         # static mode for this thread only (steps may run on a Ray thread;
         # paddle.enable_static() does nothing outside the thread that imported Paddle)
         with _dygraph_guard(None):
-            outs = self.engine._executor.run(
-                self.engine._pir_dense_main_progs[mode], feed=feed, fetch_list=fetch, return_numpy=True
-            )
+            program = self.engine._pir_dense_main_progs[mode]
+            feed = dict(zip(self._feed[mode], arrays))
+            fetch = self._fetch[mode] if collect else []
+            if self._prepare:
+                run = self._prepared.get((mode, collect))
+                if run is None or run.source is not program:
+                    run = self._prepared[(mode, collect)] = compat_executor.Prepared(
+                        self.engine._executor, program, self._feed[mode], fetch
+                    )
+                outs = run(feed)
+            else:
+                outs = self.engine._executor.run(program, feed=feed, fetch_list=fetch, return_numpy=True)
         flush_sends()
         if not collect:
             return None

@@ -1,0 +1,162 @@
+"""Where a rank's time goes in a loop of small steps: py-spy samples of rank 0, grouped.
+
+    python -m bench profile [--models mlp-mp2] [--seconds 20] [--every 0]
+
+Runs raydist's loader loop (``for batch in loader(): dm(x, y)``, a loss read every
+``--every`` steps, 0: never) and, beside it, native Paddle fed one batch (bench/native.py,
+"ideal"), one after the other. Samples every thread of rank 0's process with py-spy for
+``--seconds`` (100 per second, idle threads left out), and reports each part's thread time per
+step: its samples over the rate, over the steps the loop made meanwhile. The parts are told
+apart by the functions on each sampled stack (`part`). Needs ``py-spy`` (``pip install py-spy``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+RATE = 100  # samples per second
+
+# (part, any of these on the stack), first match wins: from the innermost kinds outward
+PARTS = [
+    ("Paddle: feeding a step's batch (checks, set_feed_variable)", ("_pir_feed_data",)),
+    ("Paddle: fetched values to numpy", ("as_numpy",)),
+    ("Paddle: the interpreter's run (C++, the step's compute and collectives)", ("_StandaloneExecutor.run", "Prepared.__call__")),
+    ("Paddle: Executor.run's bookkeeping (cache key, checks, flags)", ("Executor.run", "Executor._run_pir_impl")),
+    ("Paddle: DistModel.__call__ and the engine around the run (native)", ("DistModel.__call__", "Engine.run")),
+    ("raydist: the reader's ray.put of a chunk", ("Worker.put_object",)),
+    ("raydist: the reader's hand-out calls to its group", ("ActorMethod.remote",)),
+    ("raydist: staging batches as DenseTensors", ("Staging.put",)),
+    ("Ray Data: reading the split (iterator, format conversion)", ("ray/data/",)),
+    ("raydist: the rank's step loop (batch take, schedule, results)", ("ModelService.run", "RankActor.run")),
+    ("Ray: receiving and running actor tasks (arguments, results)", ("Worker.main_loop", "actor_method_executor",
+                                                                      "deserialize_objects", "serialize")),
+]  # fmt: skip
+OTHER = "other (Python threads waiting on locks, and the rest)"
+
+
+def part(stack: str) -> str:
+    for name, markers in PARTS:
+        if any(m in stack for m in markers):
+            return name
+    return OTHER
+
+
+def record(pid: int, seconds: float) -> collections.Counter:
+    """Thread-seconds by part of ``pid``'s threads over ``seconds``."""
+    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+        subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(round(seconds)), "-r", str(RATE), "-f", "raw",
+                        "-o", out.name, "--nonblocking"], check=True, capture_output=True, timeout=seconds + 60)  # fmt: skip
+        counts: collections.Counter = collections.Counter()
+        for line in open(out.name):
+            stack, n = line.rstrip().rsplit(" ", 1)
+            counts[part(stack)] += int(n) / RATE
+    return counts
+
+
+def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Counter, int]:
+    import ray
+
+    import raydist
+    from bench.models import MODELS, batch_size, mesh, rows
+    from bench.run import RANK_ENV, _raydist
+
+    steps = 20_000
+    ds = ray.data.range(steps * batch_size(name)).map_batches(
+        lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
+    ).materialize()
+    loader = raydist.shard_dataloader(ds, mesh(name), input_keys=["x", "y"], shard_dims="dp",
+                                      batch_size=batch_size(name))  # fmt: skip
+    done, stop = [0], threading.Event()
+    with _raydist(name, loader) as dm:
+        def loop():
+            for i, batch in enumerate(loader()):
+                loss = dm(batch["x"], batch["y"])
+                if every and (i + 1) % every == 0:
+                    float(loss)
+                done[0] = i + 1
+                if stop.is_set():
+                    break
+            dm.wait()
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        while done[0] < 200:  # built and warm
+            time.sleep(0.1)
+        rank0 = dm._client.group.actors[0]
+        pid = ray.get(rank0.__ray_call__.remote(lambda self: os.getpid()))
+        ray.get(rank0.__ray_call__.remote(lambda self: self.model.take_starts()))
+        counts = record(pid, seconds)
+        made = len(ray.get(rank0.__ray_call__.remote(lambda self: self.model.take_starts())))  # steps started
+        stop.set()
+        thread.join()
+    return counts, made
+
+
+def native_loop(name: str, seconds: float) -> tuple[collections.Counter, int]:
+    """Native, ideal feed: enough steps to outlast the recording; rank 0 recorded."""
+    from bench.models import world_size
+    from bench.run import ROOT
+    from raydist.env import RankPlace, paddle_env
+    from raydist.net import free_port
+
+    n = world_size(name)
+    ports = [free_port("127.0.0.1") for _ in range(n + 1)]
+    places = [RankPlace("local", "127.0.0.1")] * n
+    endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
+    steps = int(seconds * 2000)  # more than it makes in twice the recording, at 1 ms a step
+    procs = []
+    for rank in range(n):
+        env = {**os.environ, **paddle_env(rank, places, endpoints, f"127.0.0.1:{ports[0]}", use_gpu=False),
+               "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2", "RAYDIST_BENCH_PROGRESS": "1"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.native", name, "200", str(steps), "ideal"],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True))  # fmt: skip
+    try:
+        # bench.native prints "STEP n time" every 100 steps with RAYDIST_BENCH_PROGRESS
+        for line in procs[0].stdout:
+            if line.startswith("STEP ") and int(line.split()[1]) >= 200:
+                break
+        start = time.time()
+        counts = record(procs[0].pid, seconds)
+        end = time.time()
+        marks = []
+        for line in procs[0].stdout:  # the steps' times from the recording's start to its end
+            if line.startswith("STEP "):
+                n, t = line.split()[1:3]
+                marks.append((float(t), int(n)))
+                if float(t) >= end:
+                    break
+        inside = [(t, n) for t, n in marks if start <= t <= end]
+        (t0, n0), (t1, n1) = inside[0], inside[-1]
+        return counts, round((n1 - n0) / (t1 - t0) * seconds)  # its pace inside the recording, over it
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def profile_table(names: list[str], seconds: float, every: int) -> str:
+    rows = []
+    for name in names:
+        native, native_steps = native_loop(name, seconds)
+        ours, our_steps = raydist_loop(name, seconds, every)
+        for label in [p for p, _ in PARTS] + [OTHER]:
+            a = 1e3 * native[label] / max(native_steps, 1)
+            b = 1e3 * ours[label] / max(our_steps, 1)
+            if a or b:
+                rows.append(f"| {name} | {label} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+        a, b = 1e3 * sum(native.values()) / native_steps, 1e3 * sum(ours.values()) / our_steps
+        rows.append(f"| {name} | **all of rank 0's threads** | **{a:.2f}** | **{b:.2f}** | **{b - a:+.2f}** |")
+        rows.append(f"| {name} | wall time per step (ms) | {1e3 * seconds / native_steps:.2f} "
+                    f"| {1e3 * seconds / our_steps:.2f} | |")  # fmt: skip
+        print("\n".join(rows[-3:]), flush=True)
+    header = ("| model | part of rank 0's process | native, ideal feed (thread ms per step) "
+              f"| raydist loader, loss read {'never' if not every else f'every {every}'} (thread ms per step) "
+              "| difference |")  # fmt: skip
+    return "\n".join([header, "|---|---|---:|---:|---:|", *rows])
