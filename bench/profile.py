@@ -7,7 +7,7 @@ Runs raydist's loader loop (``for batch in loader(): dm(x, y)``, a loss read eve
 "ideal"), one after the other. Samples every thread of rank 0's process with py-spy for
 ``--seconds`` (100 per second, idle threads left out), and reports each part's thread time per
 step: its samples over the rate, over the steps the loop made meanwhile. The parts are told
-apart by the functions on each sampled stack (`part`). Needs ``py-spy`` (``pip install py-spy``).
+apart by the functions on each sampled stack (`part`). Needs ``py-spy`` (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations

@@ -608,6 +608,10 @@ BENCH_FORMS = {
     "resume": dict(what="resume", models="gpt-mp2", steps=24, every=4, kill_after=10, repeat=3),
     "saves --repeat 3": dict(what="saves", models="gpt-mp2", steps=40, every=8, repeat=3),
     "attach": dict(what="attach", models="gpt-mp2", steps=12, before=6, repeat=3),
+    "small --repeat 3": dict(what="small", models="mlp-mp2,wide-mp2", steps=300, warmup=20, repeat=3,
+                             reads="never,every 10,every step", compiled=False),
+    "small --models mlp-mp2 --reads never --compiled": dict(what="small", models="mlp-mp2", reads="never", compiled=True),
+    "profile --models mlp-mp2 --seconds 15": dict(what="profile", models="mlp-mp2", seconds=15, every=0),
 }
 
 
@@ -629,7 +633,7 @@ def test_the_command_lines_help_and_refusals():
     for command in ([sys.executable, "-m", "bench"], [sys.executable, "-m", "raydist"]):
         done = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "COMMAND" in done.stdout, done.stderr
-    for sub in ("models", "dispatch", "restart", "elastic", "pipeline", "startup"):
+    for sub in ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "small", "profile"):
         done = subprocess.run([sys.executable, "-m", "bench", sub, "--help"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and f"python -m bench {sub}" in done.stdout and "--no-write" in done.stdout
     for command in (["-m", "raydist", "launch"], ["-m", "raydist.launch"]):

@@ -72,8 +72,9 @@ class Prepared:
 
         if self._scheduled:  # Paddle copies the scheduler's value in at each run: the general path does it
             return self._executor.run(self._program, feed=feed, fetch_list=self._fetch_list, return_numpy=True)
+        # drops the names this program has no input for (a later pipeline stage's), as Paddle's run does
         self._executor._pir_feed_data(self._program, feed, self._scope, self._infos)
-        tensors = self._run(self._feed_names, self._profile)._move_to_list()
+        tensors = self._run(list(feed), self._profile)._move_to_list()
         if not self._fetch_list:
             return []
         tensors = _executor.as_numpy(tensors, copy=True)
