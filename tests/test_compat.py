@@ -480,7 +480,7 @@ def test_groups_defect_every_gloo_group_rendezvous_under_the_same_bare_keys(fixe
         def present(key):
             got = []
             threading.Thread(target=lambda: got.append(store.get(key)), daemon=True).start()
-            threading.Event().wait(1.0)  # a missing key blocks get
+            threading.Event().wait(3.0)  # a missing key blocks get
             return bool(got)
 
         collective._new_process_group_impl("gloo", store, 0, 1, "g5", None, group_id=5)

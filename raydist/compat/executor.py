@@ -65,11 +65,10 @@ class Prepared:
         self._merge = not paddle.get_flags("FLAGS_enable_pir_in_executor")["FLAGS_enable_pir_in_executor"]
         self._profile = executor.enable_job_schedule_profiler
         self._scheduled = hasattr(self._program, "lr_scheduler")
+        self._as_numpy, self._merge_tensors = _executor.as_numpy, _executor._merge_tensors
 
     def __call__(self, feed: dict) -> list:
         """Run one step on ``feed`` ({name: array or DenseTensor}, the names given); the fetched values (numpy)."""
-        from paddle.base import executor as _executor
-
         if self._scheduled:  # Paddle copies the scheduler's value in at each run: the general path does it
             return self._executor.run(self._program, feed=feed, fetch_list=self._fetch_list, return_numpy=True)
         # drops the names this program has no input for (a later pipeline stage's), as Paddle's run does
@@ -77,8 +76,8 @@ class Prepared:
         tensors = self._run(list(feed), self._profile)._move_to_list()
         if not self._fetch_list:
             return []
-        tensors = _executor.as_numpy(tensors, copy=True)
-        return _executor._merge_tensors(tensors, self._plan.micro_batch_num()) if self._merge else tensors
+        tensors = self._as_numpy(tensors, copy=True)
+        return self._merge_tensors(tensors, self._plan.micro_batch_num()) if self._merge else tensors
 
 
 def apply() -> None:

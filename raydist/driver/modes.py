@@ -140,7 +140,7 @@ class Modes:
         if not handles:
             # copies: the step may leave after the call returns (held for the next message, or
             # sent from a compiled graph's thread), and the caller may refill its arrays by then
-            arrays = [np.array(to_array(v)) for v in values]
+            arrays = [np.array(v) if isinstance(v, np.ndarray) else to_array(v) for v in values]  # a Tensor's is new
             self.enter(mode, self.specs.for_call(array_specs(arrays), mode))
             return ArraysStep(arrays, lr())  # every rank takes its own shard (a view)
         first = handles[0]
