@@ -7,12 +7,16 @@ Runs raydist's loader loop (``for batch in loader(): dm(x, y)``, a loss read eve
 "ideal"), one after the other. Samples every thread of rank 0's process with py-spy for
 ``--seconds`` (100 per second, idle threads left out), and reports each part's thread time per
 step: its samples over the rate, over the steps the loop made meanwhile. The parts are told
-apart by the functions on each sampled stack (`part`). Needs ``py-spy`` (``pip install -e '.[bench]'``).
+apart by the functions on each sampled stack (`part`). py-spy counts a thread that waits for a
+core as busy, so over the same seconds it also reads each thread's CPU time from
+``/proc/<pid>/task`` (what the thread ran), grouped by thread (`THREADS`, named from one
+``py-spy dump``). Needs ``py-spy`` (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +51,59 @@ def part(stack: str) -> str:
     return OTHER
 
 
+# (kind of thread, any of these in its name and stack at the dump), first match wins
+THREADS = [
+    ("the thread that runs the steps", ("RankActor.run", "bench/native.py")),
+    ("raydist's reader", ("raydist-reader",)),
+    ("Ray Data's iterator thread", ("iter_threaded",)),
+    ("Ray's other Python threads (its main loop, other calls: data hand-outs, pings)",
+     ("Dummy-", "ThreadPoolExecutor", "Worker.main_loop")),
+    ("threads without Python: Paddle's executor pool, gloo, Ray's C++", ("(no Python)",)),
+]  # fmt: skip
+OTHER_THREADS = "other threads"
+
+
+def thread_kinds(pid: int) -> dict[int, str]:
+    """Each thread of ``pid`` (os thread id): its kind in `THREADS`, from one ``py-spy dump``."""
+    dump = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--json", "--nonblocking"], capture_output=True,
+                          text=True, check=True, timeout=60)  # fmt: skip
+    named = {}
+    for thread in json.loads(dump.stdout):
+        label = f"{thread.get('thread_name') or ''}: " + ";".join(f"{f['name']} ({f['filename']})"
+                                                                  for f in thread.get("frames") or [])  # fmt: skip
+        named[int(thread["os_thread_id"])] = next((k for k, marks in THREADS if any(m in label for m in marks)),
+                                                  OTHER_THREADS)  # fmt: skip
+    kinds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        kinds[int(tid)] = named.get(int(tid), THREADS[-1][0])
+    return kinds
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of ``pid`` has run so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        cpu[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return cpu
+
+
+def measured(pid: int, seconds: float) -> tuple[collections.Counter, collections.Counter]:
+    """py-spy's thread-seconds by part (`record`) and, over the same seconds, CPU seconds by kind of thread."""
+    kinds = thread_kinds(pid)
+    before = thread_cpu(pid)
+    counts = record(pid, seconds)
+    cpu: collections.Counter = collections.Counter()
+    for tid, total in thread_cpu(pid).items():
+        cpu[kinds.get(tid, OTHER_THREADS)] += total - before.get(tid, 0.0)
+    return counts, cpu
+
+
 def record(pid: int, seconds: float) -> collections.Counter:
     """Thread-seconds by part of ``pid``'s threads over ``seconds``."""
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
@@ -59,7 +116,7 @@ def record(pid: int, seconds: float) -> collections.Counter:
     return counts
 
 
-def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Counter, int]:
+def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Counter, collections.Counter, int]:
     import ray
 
     import raydist
@@ -91,14 +148,14 @@ def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Cou
         rank0 = dm._client.group.actors[0]
         pid = ray.get(rank0.__ray_call__.remote(lambda self: os.getpid()))
         ray.get(rank0.__ray_call__.remote(lambda self: self.model.take_starts()))
-        counts = record(pid, seconds)
+        counts, cpu = measured(pid, seconds)
         made = len(ray.get(rank0.__ray_call__.remote(lambda self: self.model.take_starts())))  # steps started
         stop.set()
         thread.join()
-    return counts, made
+    return counts, cpu, made
 
 
-def native_loop(name: str, seconds: float) -> tuple[collections.Counter, int]:
+def native_loop(name: str, seconds: float) -> tuple[collections.Counter, collections.Counter, int]:
     """Native, ideal feed: enough steps to outlast the recording; rank 0 recorded."""
     from bench.models import world_size
     from bench.run import ROOT
@@ -123,7 +180,7 @@ def native_loop(name: str, seconds: float) -> tuple[collections.Counter, int]:
             if line.startswith("STEP ") and int(line.split()[1]) >= 200:
                 break
         start = time.time()
-        counts = record(procs[0].pid, seconds)
+        counts, cpu = measured(procs[0].pid, seconds)
         end = time.time()
         marks = []
         for line in procs[0].stdout:  # the steps' times from the recording's start to its end
@@ -134,7 +191,7 @@ def native_loop(name: str, seconds: float) -> tuple[collections.Counter, int]:
                     break
         inside = [(t, n) for t, n in marks if start <= t <= end]
         (t0, n0), (t1, n1) = inside[0], inside[-1]
-        return counts, round((n1 - n0) / (t1 - t0) * seconds)  # its pace inside the recording, over it
+        return counts, cpu, round((n1 - n0) / (t1 - t0) * seconds)  # its pace inside the recording, over it
     finally:
         for p in procs:
             p.kill()
@@ -142,10 +199,16 @@ def native_loop(name: str, seconds: float) -> tuple[collections.Counter, int]:
 
 
 def profile_table(names: list[str], seconds: float, every: int) -> str:
-    rows = []
+    rows, cpu_rows = [], []
     for name in names:
-        native, native_steps = native_loop(name, seconds)
-        ours, our_steps = raydist_loop(name, seconds, every)
+        native, native_cpu, native_steps = native_loop(name, seconds)
+        ours, our_cpu, our_steps = raydist_loop(name, seconds, every)
+        for label in [k for k, _ in THREADS] + [OTHER_THREADS, None]:
+            a, b = ((sum(c.values()) if label is None else c[label]) for c in (native_cpu, our_cpu))
+            a, b = 1e3 * a / max(native_steps, 1), 1e3 * b / max(our_steps, 1)
+            if a or b:
+                kind = "**all of rank 0's threads**" if label is None else label
+                cpu_rows.append(f"| {name} | {kind} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
         for label in [p for p, _ in PARTS] + [OTHER]:
             a = 1e3 * native[label] / max(native_steps, 1)
             b = 1e3 * ours[label] / max(our_steps, 1)
@@ -156,7 +219,10 @@ def profile_table(names: list[str], seconds: float, every: int) -> str:
         rows.append(f"| {name} | wall time per step (ms) | {1e3 * seconds / native_steps:.2f} "
                     f"| {1e3 * seconds / our_steps:.2f} | |")  # fmt: skip
         print("\n".join(rows[-3:]), flush=True)
-    header = ("| model | part of rank 0's process | native, ideal feed (thread ms per step) "
-              f"| raydist loader, loss read {'never' if not every else f'every {every}'} (thread ms per step) "
-              "| difference |")  # fmt: skip
-    return "\n".join([header, "|---|---|---:|---:|---:|", *rows])
+    loop = f"raydist loader, loss read {'never' if not every else f'every {every}'}"
+    header = (f"| model | part of rank 0's process | native, ideal feed (thread ms per step) | {loop} (thread ms per "
+              "step) | difference |")  # fmt: skip
+    cpu_header = (f"| model | rank 0's threads, by kind | native, ideal feed (CPU ms per step) | {loop} (CPU ms per "
+                  "step) | difference |")  # fmt: skip
+    return "\n".join([header, "|---|---|---:|---:|---:|", *rows, "", "CPU time, from /proc, over the same seconds:", "",
+                      cpu_header, "|---|---|---:|---:|---:|", *cpu_rows])  # fmt: skip

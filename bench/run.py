@@ -45,6 +45,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -412,7 +413,7 @@ def main(argv=None) -> None:
         table = elastic_table(args.models.split(","), args.steps, args.repeat)
         _write(args, argv, table)
         return
-    ray.init(num_cpus=max(32, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=_ray_cpus(args), include_dashboard=False, log_to_driver=False)
     try:
         if args.what == "dispatch":
             from bench.dispatch import dispatch_table
@@ -450,6 +451,19 @@ def main(argv=None) -> None:
     _write(args, argv, table)
 
 
+def _ray_cpus(args) -> int:
+    """Logical CPUs of the bench's local Ray. ``small`` and ``profile`` get what raydist would start for
+    their largest model (what a user gets): more would let Ray Data start a worker process per
+    logical CPU, whose idle polling takes CPU from every runner alike. The other commands start
+    groups of many light ranks, so 32."""
+    if args.what in ("small", "profile"):
+        from bench.models import world_size
+        from raydist.driver.connect import local_num_cpus
+
+        return local_num_cpus(max(world_size(n) for n in args.models.split(",")), 1)
+    return max(32, os.cpu_count() or 1)
+
+
 def _write(args, argv, table: str) -> None:
     print(table)
     if not args.no_write:
@@ -463,7 +477,7 @@ def _write(args, argv, table: str) -> None:
                      else f"{args.steps} timed steps after {args.warmup} warm-up steps"
                      + (f", {args.repeat} interleaved rounds, medians" if args.what == "small" else ""))
             dispatch = f"; dispatch {args.dispatch}" if hasattr(args, "dispatch") else ""
-            f.write(f"\n### {stamp}: `python -m bench {' '.join(argv)}`\n\n{machine()}; {steps}{dispatch}."
+            f.write(f"\n### {stamp}: `python -m bench {shlex.join(argv)}`\n\n{machine()}; {steps}{dispatch}."
                     f"\n\n{table}\n")  # fmt: skip
 
 

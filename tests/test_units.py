@@ -768,3 +768,38 @@ def test_a_detached_models_record_hands_it_over_by_compare_and_set_and_counts_le
     record.release(b)
     assert record.holder() is None and record.take(c, expected=None) == c
     assert "pid 102 on host (Ray job 02000000" in str(c)
+
+
+@pytest.mark.parametrize("width, expected", [(8, 64), (4096, 32), (1 << 18, 8)])
+def test_auto_prefetch_fills_a_chunk_of_four_mib_with_eight_to_sixty_four_local_batches(width, expected):
+    """Rows of ``width`` float32 in local batches of 8: 256 B, 128 KiB and 8 MiB a batch."""
+    import paddle
+
+    import raydist
+
+    class Rows(paddle.io.Dataset):
+        def __getitem__(self, i):
+            return np.zeros(width, np.float32)
+
+        def __len__(self):
+            return 64
+
+    mesh = paddle.distributed.ProcessMesh([0, 1], dim_names=["dp"])
+    loader = raydist.shard_dataloader(Rows(), mesh, shard_dims="dp", batch_size=16)
+    assert loader.prefetch == expected
+    assert loader.chunk() == max(1, min(expected, (4 << 20) // (width * 4 * 8)))
+    assert raydist.shard_dataloader(Rows(), mesh, shard_dims="dp", batch_size=16, prefetch=3).prefetch == 3
+    for bad in (0, -1, 1.5, True, "fast"):
+        with pytest.raises(ValueError, match="prefetch must be a positive int or 'auto'"):
+            raydist.shard_dataloader(Rows(), mesh, shard_dims="dp", batch_size=16, prefetch=bad)
+
+
+def test_a_local_ray_gets_the_ranks_cpus_and_two_more_for_ray_data_or_the_machines(monkeypatch):
+    """No more: Ray Data starts a worker process per free logical CPU, and idle ones keep polling."""
+    from raydist.driver.connect import local_num_cpus
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert local_num_cpus(2, 1) == 4 and local_num_cpus(8, 1) == 10 and local_num_cpus(3, 0.5) == 4
+    assert local_num_cpus(4, 0) == 2  # GPU ranks ask for no CPU
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert local_num_cpus(2, 1) == 16

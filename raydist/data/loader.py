@@ -50,6 +50,9 @@ _ids = itertools.count()
 
 # Size of the chunks readers hand out (a chunk is at most `prefetch` batches).
 CHUNK_BYTES = 4 * 1024 * 1024
+# prefetch="auto": as many local batches as fill a chunk, within these bounds. A reader's
+# costs are per chunk (a Ray Data read, a hand-out call), so small batches go in large chunks.
+AUTO_PREFETCH = (8, 64)
 
 # numpy kinds/dtypes Paddle has no tensor type for
 _BAD_KINDS = {"O": "object", "S": "bytes", "U": "str", "V": "void", "M": "datetime", "m": "timedelta"}
@@ -85,7 +88,7 @@ class ShardDataloader:
         shuffle: bool = False,
         seed: int | None = None,
         drop_last: bool = True,
-        prefetch: int = 8,
+        prefetch: int | str = "auto",
     ) -> None:
         self.meshes = [_as_mesh(m) for m in (meshes if isinstance(meshes, (list, tuple)) else [meshes])]
         if not self.meshes:
@@ -110,9 +113,8 @@ class ShardDataloader:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
         self.shuffle, self.seed, self.drop_last = bool(shuffle), None if seed is None else int(seed), bool(drop_last)
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
-        self.prefetch = prefetch
+        if prefetch != "auto" and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1):
+            raise ValueError(f"prefetch must be a positive int or 'auto', got {prefetch!r}")
         self._source = source_of(dataset)
         fields = {f.key: f for f in self._source.fields()}
         keys = list(input_keys) if input_keys is not None else list(fields)
@@ -122,6 +124,7 @@ class ShardDataloader:
         for k in keys:
             _check_dtype(fields[k])
         self.fields = [fields[k] for k in keys]
+        self.prefetch = self._auto_prefetch() if prefetch == "auto" else prefetch
         self.dict_rows = self._source.dict_rows
         self._id = next(_ids)
         self._rows: int | None = None
@@ -189,8 +192,15 @@ class ShardDataloader:
 
     def chunk(self) -> int:
         """Local batches a reader reads and hands out at once: up to `prefetch`, about CHUNK_BYTES."""
+        return max(1, min(self.prefetch, CHUNK_BYTES // self._batch_bytes()))
+
+    def _batch_bytes(self) -> int:
         row_bytes = sum(int(np.prod(f.shape, dtype=np.int64)) * f.dtype.itemsize for f in self.fields)
-        return max(1, min(self.prefetch, CHUNK_BYTES // max(1, row_bytes * self.local_batch_size)))
+        return max(1, row_bytes * self.local_batch_size)
+
+    def _auto_prefetch(self) -> int:
+        low, high = AUTO_PREFETCH
+        return max(low, min(high, CHUNK_BYTES // self._batch_bytes()))
 
     def specs_by_key(self) -> dict:
         """`specs`, keyed by field key (computed once)."""
@@ -366,7 +376,7 @@ def shard_dataloader(
     shuffle: bool = False,
     seed: int | None = None,
     drop_last: bool = True,
-    prefetch: int = 8,
+    prefetch: int | str = "auto",
 ) -> ShardDataloader:
     """Paddle's ``shard_dataloader``, fed by Ray: each data-parallel group reads its split.
 
@@ -385,7 +395,9 @@ def shard_dataloader(
             non-negative int: each (seed, epoch) pair shuffles its own way).
         drop_last: drop the last incomplete batch of an epoch.
         prefetch: how many local batches each reader reads ahead of its
-            rank (in chunks of up to 4 MiB).
+            rank (in chunks of up to 4 MiB); "auto": as many as fill 4 MiB,
+            at least 8 and at most 64 (a reader's costs are per chunk, so
+            small batches go in large chunks).
 
     Iterate ``loader()`` (or ``loader``) for an epoch, and pass what it yields
     to the DistModel: ``for batch in loader(): dm(batch["x"], batch["y"])``.

@@ -41,14 +41,20 @@ def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -
             "raydist: Ray's address file names the cluster %s, which does not answer (stopped without "
             "`ray stop`, or killed); starting a new local Ray instead", recorded
         )
-    cpus = (resources_per_rank or {}).get("CPU", 0 if use_gpu else 1)
-    # Room beside the ranks for what feeds them: a loader's Ray Data tasks need CPUs too.
-    num_cpus = max(os.cpu_count() or 1, int(math.ceil(num_workers * cpus)) + DATA_CPUS)
+    num_cpus = local_num_cpus(num_workers, (resources_per_rank or {}).get("CPU", 0 if use_gpu else 1))
     log.info("raydist: starting a local Ray instance with %d CPUs", num_cpus)
     ray.init(address="local", num_cpus=num_cpus)
     global _started
     _started = ray.get_runtime_context().get_session_name()
     return True
+
+
+def local_num_cpus(num_workers: int, cpus_per_rank: float) -> int:
+    """The logical CPUs of the local Ray `init_ray` starts: the machine's, or the ranks' and
+    `DATA_CPUS` more if that is larger (a loader's Ray Data tasks need CPUs beside the ranks).
+    No more than that: Ray Data starts up to one worker process per free logical CPU, and each
+    idle one keeps polling."""
+    return max(os.cpu_count() or 1, int(math.ceil(num_workers * cpus_per_rank)) + DATA_CPUS)
 
 
 _started: str | None = None  # the session of the local Ray init_ray started, if it did

@@ -25,6 +25,7 @@ the step is counted.
 
 from __future__ import annotations
 
+import _signal  # signal.getsignal without its enum conversion: 5 µs a call, several calls a step
 import collections
 import contextlib
 import math
@@ -271,7 +272,7 @@ def _interrupts_deferred():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handler = signal.getsignal(_SIGINT)
+    handler = _signal.getsignal(_SIGINT)
     if handler is signal.default_int_handler:
         signal.signal(_SIGINT, _Deferral.on_sigint)
     elif handler != _Deferral.on_sigint:
