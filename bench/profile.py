@@ -73,24 +73,14 @@ def thread_kinds(pid: int) -> dict[int, str]:
                                                                   for f in thread.get("frames") or [])  # fmt: skip
         named[int(thread["os_thread_id"])] = next((k for k, marks in THREADS if any(m in label for m in marks)),
                                                   OTHER_THREADS)  # fmt: skip
-    kinds = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        kinds[int(tid)] = named.get(int(tid), THREADS[-1][0])
-    return kinds
+    return {tid: named.get(tid, THREADS[-1][0]) for tid in thread_cpu(pid)}
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) each thread of ``pid`` has run so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    cpu = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # ended meanwhile
-            continue
-        cpu[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return cpu
+    """CPU seconds (user + system) each thread of ``pid`` has run so far (``/proc/<pid>/task``, via psutil)."""
+    import psutil
+
+    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
 
 
 def measured(pid: int, seconds: float) -> tuple[collections.Counter, collections.Counter]:
