@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ import raydist
 from helpers import schedule, wait_gone
 from models import MLP, Reference, assert_close, batches, build, sgd
 
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own tasks here: workers cannot import tests/
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
 
 
@@ -179,13 +181,24 @@ class _Owner:
         return [ray.put(np.ones(3))]
 
 
-def _ref_of_a_dead_owner():
-    """An object whose owner is gone: ObjectLostError (OwnerDiedError)."""
+def _ref_of_a_dead_owner(timeout: float = 30.0):
+    """An object whose owner is gone: ObjectLostError (OwnerDiedError).
+
+    Until the driver's Ray has seen the owner's death, which takes 1-2 s here even after
+    the actor is reported dead, the object's copy in the local object store still reads.
+    Once one read raised, every later read raises: that is the event waited for.
+    """
     owner = _Owner.remote()
     (ref,) = ray.get(owner.make.remote())
     ray.kill(owner)
-    time.sleep(1)
-    return ref
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ref, timeout=timeout)
+        except ray.exceptions.ObjectLostError:
+            return ref
+        time.sleep(0.05)
+    raise AssertionError(f"a dead owner's object still reads after {timeout} s")
 
 
 class _NoUnpickling:
