@@ -22,6 +22,7 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
     import paddle.distributed as dist
 
     from bench import models
+    from bench.run import machine_cpu
     from raydist import compat
     from raydist.compat import executor as compat_executor
 
@@ -38,7 +39,7 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
     times, waits, losses, first = [], [], [], None
     progress = os.environ.get("RAYDIST_BENCH_PROGRESS") == "1"
     it = iter(loader())
-    cpu = time.process_time()
+    cpu, machine = time.process_time(), machine_cpu()
     first_batch = next(it)
     for i in range(warmup + steps):
         t = time.perf_counter()
@@ -51,7 +52,7 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
         done = time.perf_counter()
         first = first or time.time()  # wall clock: the launcher subtracts its start time
         if i == warmup - 1:
-            cpu = time.process_time()
+            cpu, machine = time.process_time(), machine_cpu()
         if i >= warmup:
             times.append(done - t)
             waits.append(got - t)
@@ -59,7 +60,7 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
             print(f"STEP {i} {time.time()}", flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"times": times, "waits": waits, "first_step_at": first, "losses": losses, "peak_mib": peak,
-              "cpu_s": time.process_time() - cpu}
+              "cpu_s": time.process_time() - cpu, "machine": [machine, machine_cpu()]}
     print("RESULT " + json.dumps(result), flush=True)
 
 

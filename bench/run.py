@@ -88,7 +88,8 @@ def run_native(name: str, warmup: int, steps: int, feed: str = "loader") -> dict
     losses = np.mean([results[r]["losses"] for r in leaders], axis=0).tolist()
     return {"times": r0["times"], "wait_share": sum(r0["waits"]) / sum(r0["times"]), "losses": losses,
             "first_step_s": r0["first_step_at"] - start, "peak_mib": max(r["peak_mib"] for r in results),
-            "rank_cpu_s": statistics.fmean(r["cpu_s"] for r in results) / steps}  # fmt: skip
+            "rank_cpu_s": statistics.fmean(r["cpu_s"] for r in results) / steps,
+            **per_step(r0["machine"][0], r0["machine"][1], steps)}  # fmt: skip
 
 
 def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | None = None, **kwargs):
@@ -124,6 +125,20 @@ def _rank_stats(rank) -> dict:
             "cpu": time.process_time()}
 
 
+def machine_cpu() -> tuple[float, float]:
+    """The machine's CPU seconds so far, all cores: busy (every process), and stolen (the host
+    ran other guests while ours waited: on a shared host, the slow spells)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq, t.steal
+
+
+def per_step(before: tuple[float, float], after: tuple[float, float], steps: int) -> dict:
+    """`machine_cpu` over ``steps`` steps, as a runner's result keys."""
+    return {"machine_cpu_s": (after[0] - before[0]) / steps, "steal_s": (after[1] - before[1]) / steps}
+
+
 def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     """Run ``call(dm, batch)`` for every batch, reading every loss at the end.
 
@@ -140,13 +155,13 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
         if i == warmup:
             dm.wait()
             before = take_stats()
-            timed, cpu = time.perf_counter(), time.process_time()
+            timed, cpu, machine = time.perf_counter(), time.process_time(), machine_cpu()
         losses.append(call(dm, batch))
         if first is None:
             float(losses[0])
             first = time.time() - start
     dm.wait()
-    wall = time.perf_counter() - timed
+    wall, machine = time.perf_counter() - timed, per_step(machine, machine_cpu(), len(losses) - warmup)
     driver_cpu = (time.process_time() - cpu) / (len(losses) - warmup)
     stats = take_stats()
     times = list(np.diff(stats[0]["starts"]))
@@ -157,7 +172,7 @@ def _timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
             # every thread of a rank's process: its steps, its reader, Ray's own
             "rank_cpu_s": statistics.fmean(s["cpu"] - b["cpu"] for s, b in zip(stats, before)) / len(times),
             "stage_wait_share": [(s["stage_wait"] - b["stage_wait"]) / wall
-                                 for s, b in zip(stats, before)]}  # fmt: skip
+                                 for s, b in zip(stats, before)], **machine}  # fmt: skip
 
 
 def run_raydist_batches(name: str, warmup: int, steps: int, dispatch: str | None = None,

@@ -16,14 +16,15 @@ Runners, round-robin in each round (the machine's drifts hit every runner alike)
 
 Native reads every loss (its static DistModel returns it, the step done). Reports the mean
 step (median of the runs), its ratio to both native baselines, the CPU a rank's process
-spends per step (all its threads) and the driver's.
+spends per step (all its threads) and the driver's, and the whole machine's: busy (every
+process, Ray's own included) and stolen (the host running other guests: the slow spells).
 """
 
 from __future__ import annotations
 
 import statistics
 
-from bench.run import _raydist, _timed_steps, run_native
+from bench.run import _raydist, _timed_steps, machine_cpu, per_step, run_native
 
 EVERY = {"never": 0, "every 10": 10, "every step": 1}
 
@@ -73,18 +74,18 @@ def run_ray_floor(steps: int) -> dict:
     try:
         ray.get([a.step.remote(0) for a in actors])
         before = ray.get([a.cpu.remote() for a in actors])
-        times, cpu = [], time.process_time()
+        times, cpu, machine = [], time.process_time(), machine_cpu()
         for i in range(steps):
             t = time.perf_counter()
             ray.get([a.step.remote(i) for a in actors])
             times.append(time.perf_counter() - t)
-        driver = (time.process_time() - cpu) / steps
+        driver, machine = (time.process_time() - cpu) / steps, per_step(machine, machine_cpu(), steps)
         after = ray.get([a.cpu.remote() for a in actors])
     finally:
         for a in actors:
             ray.kill(a)
     return {"times": times, "rank_cpu_s": statistics.fmean(b - a for a, b in zip(before, after)) / steps,
-            "driver_cpu_s": driver}
+            "driver_cpu_s": driver, **machine}
 
 
 def small_table(names: list[str], steps: int, warmup: int, repeat: int, reads: list[str],
@@ -108,12 +109,14 @@ def small_table(names: list[str], steps: int, warmup: int, repeat: int, reads: l
         for label, rs in runs.items():
             spread = sorted(statistics.fmean(r["times"]) / med[label] for r in rs)
             rank_cpu = statistics.median(r["rank_cpu_s"] for r in rs)
+            busy, steal = (statistics.median(r[k] for r in rs) for k in ("machine_cpu_s", "steal_s"))
             driver = (f"{1e6 * statistics.median(r['driver_cpu_s'] for r in rs):.0f}"
                       if "driver_cpu_s" in rs[0] else "-")  # fmt: skip
             rows.append(f"| {name} | {label} | {1e3 * med[label]:.2f} | {med[label] / ideal:.2f} "
                         f"| {med[label] / loader:.2f} | {spread[0]:.2f}-{spread[-1]:.2f} | {1e3 * rank_cpu:.2f} "
-                        f"| {driver} |")  # fmt: skip
+                        f"| {driver} | {1e3 * busy:.2f} | {1e3 * steal:.2f} |")  # fmt: skip
             print(rows[-1], flush=True)
     header = ("| model | runner | step (ms) | x native ideal | x native DataLoader | runs / median "
-              "| rank CPU per step (ms) | driver CPU per step (µs) |")  # fmt: skip
-    return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|", *rows])
+              "| rank CPU per step (ms) | driver CPU per step (µs) | machine CPU per step (ms) "
+              "| stolen per step (ms) |")  # fmt: skip
+    return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
