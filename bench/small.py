@@ -2,7 +2,8 @@
 
     python -m bench small [--models mlp-mp2,wide-mp2] [--steps 300] [--repeat 3]
 
-Runners, round-robin in each round (the machine's drifts hit every runner alike):
+Runners, round-robin, each round starting one runner later (the machine's drifts hit every
+runner alike, and no runner always follows the same one):
 - *native, ideal*: plain multi-process Paddle (bench/native.py), its DistModel fed the
   same batch at every step: no data cost at all;
 - *native, DataLoader*: the same, fed by Paddle's ``shard_dataloader`` over a
@@ -101,9 +102,11 @@ def small_table(names: list[str], steps: int, warmup: int, repeat: int, reads: l
     rows = []
     for name in names:
         runs: dict[str, list[dict]] = {r: [] for r in runners}
-        for _ in range(repeat):
-            for label, runner in runners.items():
-                runs[label].append(runner(name))
+        order = list(runners)
+        for round_ in range(repeat):
+            # each round starts one runner later: no runner always follows the same one
+            for label in order[round_ % len(order):] + order[:round_ % len(order)]:
+                runs[label].append(runners[label](name))
         med = {label: statistics.median(statistics.fmean(r["times"]) for r in rs) for label, rs in runs.items()}
         ideal, loader = med["native, ideal"], med["native, DataLoader"]
         for label, rs in runs.items():
