@@ -89,6 +89,12 @@ def run_ray_floor(steps: int) -> dict:
             "driver_cpu_s": driver, **machine}
 
 
+def rotated(order: list[str], round_: int) -> list[str]:
+    """``order`` starting ``round_`` places later: no runner always follows the same one."""
+    k = round_ % len(order)
+    return order[k:] + order[:k]
+
+
 def small_table(names: list[str], steps: int, warmup: int, repeat: int, reads: list[str],
                 compiled: bool = False) -> str:  # fmt: skip
     runners = {"native, ideal": lambda n: run_native(n, warmup, steps, "ideal"),
@@ -102,10 +108,8 @@ def small_table(names: list[str], steps: int, warmup: int, repeat: int, reads: l
     rows = []
     for name in names:
         runs: dict[str, list[dict]] = {r: [] for r in runners}
-        order = list(runners)
         for round_ in range(repeat):
-            # each round starts one runner later: no runner always follows the same one
-            for label in order[round_ % len(order):] + order[:round_ % len(order)]:
+            for label in rotated(list(runners), round_):
                 runs[label].append(runners[label](name))
         med = {label: statistics.median(statistics.fmean(r["times"]) for r in rs) for label, rs in runs.items()}
         ideal, loader = med["native, ideal"], med["native, DataLoader"]

@@ -803,3 +803,23 @@ def test_a_local_ray_gets_the_ranks_cpus_and_two_more_for_ray_data_or_the_machin
     assert local_num_cpus(4, 0) == 2  # GPU ranks ask for no CPU
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert local_num_cpus(2, 1) == 16
+
+
+def test_bench_small_rounds_rotate_their_runners():
+    from bench.small import rotated
+
+    order = ["native", "never", "every step"]
+    assert [rotated(order, r) for r in range(4)] == [order, ["never", "every step", "native"],
+                                                     ["every step", "native", "never"], order]
+
+
+def test_bench_machine_cpu_counts_every_process_and_steps_divide_it():
+    from bench.run import machine_cpu, per_step
+
+    before = machine_cpu()
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.5: pass"])  # fmt: skip
+    assert spin.wait(timeout=60) == 0
+    after = machine_cpu()
+    assert after[0] - before[0] >= 0.45 and after[1] >= before[1] >= 0  # another process's CPU is counted
+    assert per_step((1.0, 2.0), (3.0, 2.5), 4) == {"machine_cpu_s": 0.5, "steal_s": 0.125}
