@@ -14,9 +14,11 @@ import sys
 import time
 
 
-def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
+def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool = False) -> None:
     """``feed``: "loader" (Paddle's shard_dataloader over a paddle.io.DataLoader, what a native
-    user runs) or "ideal" (the first batch, fed again at every step: no data cost at all)."""
+    user runs) or "ideal" (the first batch, fed again at every step: no data cost at all).
+    ``chunked``: after the warm-up, N steps at each line "N" on stdin (bench/paired.py); the
+    loader's data is then ``warmup + steps`` batches, epoch after epoch."""
     import numpy as np
     import paddle
     import paddle.distributed as dist
@@ -38,10 +40,11 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
     dm.train()
     times, waits, losses, first = [], [], [], None
     progress = os.environ.get("RAYDIST_BENCH_PROGRESS") == "1"
-    it = iter(loader())
-    cpu, machine = time.process_time(), machine_cpu()
+    it = (batch for _ in iter(int, 1) for batch in loader())  # epoch after epoch: chunks run on and on
     first_batch = next(it)
-    for i in range(warmup + steps):
+
+    def step(i: int) -> tuple[float, float]:
+        """Step ``i``: its wait for data and its whole time."""
         t = time.perf_counter()
         x, y = first_batch if (feed == "ideal" or i == 0) else next(it)
         got = time.perf_counter()
@@ -49,13 +52,28 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
         if i == 0:  # built: raydist.compat.executor keys it once, as raydist's ranks do
             for program in dm._engine._pir_dense_main_progs.values():
                 compat_executor.freeze(program)
-        done = time.perf_counter()
+        return got - t, time.perf_counter() - t
+
+    if chunked:  # bench/paired.py: after the warm-up, a line "N" on stdin runs N steps, until stdin closes
+        for i in range(warmup):
+            step(i)
+        print("READY", flush=True)
+        i = warmup
+        for line in sys.stdin:
+            for _ in range(int(line)):
+                step(i)
+                i += 1
+            print("CHUNK", flush=True)
+        return
+    cpu, machine = time.process_time(), machine_cpu()
+    for i in range(warmup + steps):
+        wait, took = step(i)
         first = first or time.time()  # wall clock: the launcher subtracts its start time
         if i == warmup - 1:
             cpu, machine = time.process_time(), machine_cpu()
         if i >= warmup:
-            times.append(done - t)
-            waits.append(got - t)
+            times.append(took)
+            waits.append(wait)
         if progress and i % 100 == 0:  # for bench/profile.py
             print(f"STEP {i} {time.time()}", flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -65,4 +83,4 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader") -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5], chunked="--chunked" in sys.argv)

@@ -147,23 +147,11 @@ def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Cou
 
 def native_loop(name: str, seconds: float) -> tuple[collections.Counter, collections.Counter, int]:
     """Native, ideal feed: enough steps to outlast the recording; rank 0 recorded."""
-    from bench.models import world_size
-    from bench.run import ROOT
-    from raydist.env import RankPlace, paddle_env
-    from raydist.net import free_port
+    from bench.run import start_native
 
-    n = world_size(name)
-    ports = [free_port("127.0.0.1") for _ in range(n + 1)]
-    places = [RankPlace("local", "127.0.0.1")] * n
-    endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
     steps = int(seconds * 2000)  # more than it makes in twice the recording, at 1 ms a step
-    procs = []
-    for rank in range(n):
-        env = {**os.environ, **paddle_env(rank, places, endpoints, f"127.0.0.1:{ports[0]}", use_gpu=False),
-               "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2", "RAYDIST_BENCH_PROGRESS": "1"}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.native", name, "200", str(steps), "ideal"],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      text=True))  # fmt: skip
+    procs = start_native(name, ["200", str(steps), "ideal"], env={"RAYDIST_BENCH_PROGRESS": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         # bench.native prints "STEP n time" every 100 steps with RAYDIST_BENCH_PROGRESS
         for line in procs[0].stdout:

@@ -11,6 +11,7 @@
     python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
     python -m bench attach [--models gpt-mp2] [--steps 12] [--before 6] [--repeat 3]
     python -m bench small [--models mlp-mp2,wide-mp2] [--steps 300] [--repeat 3] [--compiled]
+    python -m bench paired [--models mlp-mp2,wide-mp2] [--rounds 10] [--seconds 1]
     python -m bench profile [--models mlp-mp2] [--seconds 20] [--every 0]
     python -m bench COMMAND --help      (each command's options and defaults; --no-write: no BENCHMARKS.md entry)
 
@@ -32,7 +33,9 @@ model trained in ONE plain process (bench/reference.py). ``dispatch`` measures t
 driver's own cost per step as the group grows (bench/dispatch.py); ``elastic``, what a
 lost or joining node costs (bench/elastic.py); ``pipeline``, the bench GPT on two
 pipeline stages next to dp2 and mp2, with each stage's bubble (bench/pipeline.py); ``startup``,
-where a model's start goes (bench/startup.py); ``restart``, a killed rank's cost until the next
+where a model's start goes (bench/startup.py); ``paired``, small steps with native and raydist
+alive side by side taking turns in short chunks, ratios within one spell of the machine
+(bench/paired.py); ``restart``, a killed rank's cost until the next
 step, with and without spare ranks (bench/restart.py); ``resume``, a job killed and run
 again, and ``attach``, a detached model attached by a new driver (bench/outlive.py); ``saves``, a checkpoint's stall of the loop (bench/saves.py). Tables are
 printed and appended to BENCHMARKS.md with the date, machine and versions.
@@ -61,8 +64,10 @@ RATE_NOTE = "100 samples per second, idle threads left out"
 DISPATCH = ["auto"]  # raydist's dispatch for this run (--dispatch)
 
 
-def run_native(name: str, warmup: int, steps: int, feed: str = "loader") -> dict:
-    from bench.models import MODELS, world_size
+def start_native(name: str, args: list[str], **popen) -> list[subprocess.Popen]:
+    """bench/native.py's ranks of ``name`` (``python -m bench.native name *args``), one process each,
+    with paddle.distributed.launch's environment; ``popen``: subprocess.Popen's."""
+    from bench.models import world_size
     from raydist.env import RankPlace, paddle_env
     from raydist.net import free_port
 
@@ -70,14 +75,18 @@ def run_native(name: str, warmup: int, steps: int, feed: str = "loader") -> dict
     ports = [free_port("127.0.0.1") for _ in range(n + 1)]
     places = [RankPlace("local", "127.0.0.1")] * n
     endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2", **popen.pop("env", {})}
+    return [subprocess.Popen([sys.executable, "-m", "bench.native", name, *args], cwd=ROOT, text=True,
+                             env={**env, **paddle_env(rank, places, endpoints, f"127.0.0.1:{ports[0]}",
+                                                      use_gpu=False)}, **popen)
+            for rank in range(n)]  # fmt: skip
+
+
+def run_native(name: str, warmup: int, steps: int, feed: str = "loader") -> dict:
+    from bench.models import MODELS
+
     start = time.time()
-    procs = []
-    for rank in range(n):
-        env = {**os.environ, **paddle_env(rank, places, endpoints, f"127.0.0.1:{ports[0]}", use_gpu=False),
-               "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.native", name, str(warmup), str(steps), feed],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))  # fmt: skip
+    procs = start_native(name, [str(warmup), str(steps), feed], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     outs = [p.communicate(timeout=1800) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"native run failed: {[p.returncode for p in procs]}\n{outs[0][1][-3000:]}")
@@ -288,7 +297,7 @@ def models_table(args) -> str:
 
 
 COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "attach", "saves", "small",
-            "profile")
+            "paired", "profile")
 
 
 def _names(known: list[str]) -> Callable[[str], str]:
@@ -376,14 +385,22 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--steps", type=int, default=40, help="steps per run")
     sub.add_argument("--every", type=int, default=8, help="a save every this many steps")
     sub.add_argument("--repeat", type=int, default=3, help="runs of each kind, round-robin (medians)")
+    def small_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--models", default="mlp-mp2,wide-mp2", help="comma-separated")
+        sub.add_argument("--warmup", type=int, default=20, help="steps before the timed ones")
+        sub.add_argument("--reads", default="never,every 10,every step", help="how often the loop reads a loss, "
+                         "comma-separated among: never, every 10, every step")  # fmt: skip
+
     sub = command("small", "small steps: the loader loop by how often it reads a loss, next to native (bench/small.py)")
-    sub.add_argument("--models", default="mlp-mp2,wide-mp2", help="comma-separated")
+    small_options(sub)
     sub.add_argument("--steps", type=int, default=300, help="timed steps")
-    sub.add_argument("--warmup", type=int, default=20, help="steps before the timed ones")
     sub.add_argument("--repeat", type=int, default=3, help="rounds, each runner once per round (medians)")
-    sub.add_argument("--reads", default="never,every 10,every step", help="how often the loop reads a loss, "
-                     "comma-separated among: never, every 10, every step")  # fmt: skip
     sub.add_argument("--compiled", action="store_true", help="each read also over a compiled graph")
+    sub = command("paired", "small steps with native and raydist alive side by side, taking turns in short "
+                            "chunks: ratios within one spell of the machine (bench/paired.py)")  # fmt: skip
+    small_options(sub)
+    sub.add_argument("--rounds", type=int, default=10, help="rounds, each runner one chunk per round (medians)")
+    sub.add_argument("--seconds", type=float, default=1.0, help="about how long native's chunk of steps takes")
     sub = command("profile", "where rank 0's time goes in a loop of small steps, next to native (bench/profile.py)")
     sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
     sub.add_argument("--seconds", type=int, default=20, help="how long py-spy samples each loop")
@@ -451,6 +468,11 @@ def main(argv=None) -> None:
 
             table = small_table(args.models.split(","), args.steps, args.warmup, args.repeat, args.reads.split(","),
                                 args.compiled)  # fmt: skip
+        elif args.what == "paired":
+            from bench.paired import paired_table
+
+            table = paired_table(args.models.split(","), args.rounds, args.seconds, args.warmup,
+                                 args.reads.split(","))  # fmt: skip
         elif args.what == "profile":
             from bench.profile import profile_table
 
@@ -471,7 +493,7 @@ def _ray_cpus(args) -> int:
     their largest model (what a user gets): more would let Ray Data start a worker process per
     logical CPU, whose idle polling takes CPU from every runner alike. The other commands start
     groups of many light ranks, so 32."""
-    if args.what in ("small", "profile"):
+    if args.what in ("small", "paired", "profile"):
         from bench.models import world_size
         from raydist.driver.connect import local_num_cpus
 
@@ -489,6 +511,8 @@ def _write(args, argv, table: str) -> None:
                      if args.what in ("elastic", "resume", "saves", "attach")
                      else "models started one after another" if args.what == "startup"
                      else "kill to next step, medians" if args.what == "restart"
+                     else f"{args.rounds} rounds of chunks of about {args.seconds:g} s, medians"
+                     if args.what == "paired"
                      else f"{args.steps} timed steps after {args.warmup} warm-up steps"
                      + (f", {args.repeat} interleaved rounds, medians" if args.what == "small" else ""))
             dispatch = f"; dispatch {args.dispatch}" if hasattr(args, "dispatch") else ""

@@ -823,3 +823,30 @@ def test_bench_machine_cpu_counts_every_process_and_steps_divide_it():
     after = machine_cpu()
     assert after[0] - before[0] >= 0.45 and after[1] >= before[1] >= 0  # another process's CPU is counted
     assert per_step((1.0, 2.0), (3.0, 2.5), 4) == {"machine_cpu_s": 0.5, "steal_s": 0.125}
+
+
+def test_bench_paired_chunks_hold_whole_read_intervals_and_ratios_pair_rounds():
+    from bench.paired import _process_cpu, chunk_steps, table_rows
+
+    assert chunk_steps(1.0, 0.0024, [0, 10, 1]) == 420  # about a second, whole tens
+    assert chunk_steps(1.0, 0.25, [0, 10, 1]) == 10  # never fewer than one read interval of 10
+    assert chunk_steps(1.0, 0.001, [25]) == 1000
+    # the ratio is taken round by round: a slow round slows both runners in it and cancels
+    chunks = {"native, ideal": [{"step": 1.0, "rank_cpu": 1.0, "steal": 0.0},
+                                {"step": 2.0, "rank_cpu": 2.0, "steal": 0.0},
+                                {"step": 1.0, "rank_cpu": 1.0, "steal": 0.0}],
+              "native, DataLoader": [{"step": 1.0, "rank_cpu": 1.0, "steal": 0.0}] * 3,
+              "raydist": [{"step": 1.2, "rank_cpu": 1.1, "steal": 0.0},
+                          {"step": 2.4, "rank_cpu": 2.2, "steal": 0.0},
+                          {"step": 1.3, "rank_cpu": 1.1, "steal": 0.0}]}  # fmt: skip
+    row = table_rows("m", chunks)[2].split(" | ")
+    assert row[1:6] == ["raydist", "1300.00", "1.20", "1.20-1.30", "1.30"]
+    assert row[6:8] == ["1100.00", "1.10"]
+    spin = subprocess.Popen([sys.executable, "-c", "import sys, time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.3: pass\nprint('spun', flush=True)\n"
+                             "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert spin.stdout.readline() == "spun\n"
+        assert 0.3 <= _process_cpu([spin.pid]) < 0.6  # the process's user + system time, its start's too
+    finally:
+        spin.communicate(timeout=60)
