@@ -65,8 +65,13 @@ OTHER_THREADS = "other threads"
 
 def thread_kinds(pid: int) -> dict[int, str]:
     """Each thread of ``pid`` (os thread id): its kind in `THREADS`, from one ``py-spy dump``."""
-    dump = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--json", "--nonblocking"], capture_output=True,
-                          text=True, check=True, timeout=60)  # fmt: skip
+    for attempt in range(5):  # --nonblocking reads a running process: a read can catch it mid-change and fail
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--json", "--nonblocking"],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        if dump.returncode == 0:
+            break
+    else:
+        raise RuntimeError(f"py-spy dump of {pid} failed 5 times: {dump.stderr[-2000:]}")
     named = {}
     for thread in json.loads(dump.stdout):
         label = f"{thread.get('thread_name') or ''}: " + ";".join(f"{f['name']} ({f['filename']})"
