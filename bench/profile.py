@@ -19,7 +19,6 @@ import collections
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
