@@ -97,15 +97,9 @@ class Raydist:
     def __init__(self, name: str, warmup: int, total_steps: int):
         import ray
 
-        import raydist
-        from bench.models import MODELS, batch_size, mesh, rows
-        from bench.run import RANK_ENV, _raydist
+        from bench.run import _raydist, bench_loader, memory_dataset
 
-        ds = ray.data.range((warmup + total_steps) * batch_size(name)).map_batches(
-            lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
-        ).materialize()
-        loader = raydist.shard_dataloader(ds, mesh(name), input_keys=["x", "y"], shard_dims="dp",
-                                          batch_size=batch_size(name))  # fmt: skip
+        loader = bench_loader(name, memory_dataset(name, warmup + total_steps))
         self.dm = _raydist(name, loader)
         self._batches = iter(loader())
         self.pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in self.dm._client.group.actors])

@@ -198,16 +198,29 @@ def run_raydist_batches(name: str, warmup: int, steps: int, dispatch: str | None
     return r
 
 
-def run_raydist_loader(name: str, warmup: int, steps: int) -> dict:
+def memory_dataset(name: str, batches: int):
+    """``batches`` batches of ``name``'s rows as a materialized Ray Dataset: made in memory, as
+    native's paddle.io.TensorDataset is (the runners compare feeding, not making, data)."""
     import ray
 
     from bench.models import MODELS, batch_size, rows
 
-    # made in memory, as native's paddle.io.TensorDataset is: the runners compare feeding, not making, data
-    ds = ray.data.range((warmup + steps) * batch_size(name)).map_batches(
+    return ray.data.range(batches * batch_size(name)).map_batches(
         lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
     ).materialize()
-    return _through_loader(name, ds, warmup)
+
+
+def bench_loader(name: str, dataset):
+    """`raydist.shard_dataloader` over ``dataset``, as every raydist loader runner reads it."""
+    import raydist
+    from bench.models import batch_size, mesh
+
+    return raydist.shard_dataloader(dataset, mesh(name), input_keys=["x", "y"], shard_dims="dp",
+                                    batch_size=batch_size(name))  # fmt: skip
+
+
+def run_raydist_loader(name: str, warmup: int, steps: int) -> dict:
+    return _through_loader(name, memory_dataset(name, warmup + steps), warmup)
 
 
 def run_raydist_loader_paddle(name: str, warmup: int, steps: int) -> dict:
@@ -220,12 +233,8 @@ def run_raydist_loader_paddle(name: str, warmup: int, steps: int) -> dict:
 
 def _through_loader(name: str, dataset, warmup: int) -> dict:
     """Timed steps fed by `raydist.shard_dataloader` over ``dataset`` (timed from the loader's creation)."""
-    import raydist
-    from bench.models import batch_size, mesh
-
     start = time.time()
-    loader = raydist.shard_dataloader(dataset, mesh(name), input_keys=["x", "y"], shard_dims="dp",
-                                      batch_size=batch_size(name))  # fmt: skip
+    loader = bench_loader(name, dataset)
     with _raydist(name, loader) as dm:
         return _timed_steps(dm, loader(), warmup, start, lambda dm, b: dm(b["x"], b["y"]))
 

@@ -25,23 +25,13 @@ from __future__ import annotations
 
 import statistics
 
-from bench.run import _raydist, _timed_steps, machine_cpu, per_step, run_native
+from bench.run import _raydist, _timed_steps, bench_loader, machine_cpu, memory_dataset, per_step, run_native
 
 EVERY = {"never": 0, "every 10": 10, "every step": 1}
 
 
 def run_raydist(name: str, warmup: int, steps: int, every: int, dispatch: str | None = None) -> dict:
-    import ray
-
-    import raydist
-    from bench.models import MODELS, batch_size, mesh, rows
-    from bench.run import RANK_ENV
-
-    ds = ray.data.range((warmup + steps) * batch_size(name)).map_batches(
-        lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
-    ).materialize()
-    loader = raydist.shard_dataloader(ds, mesh(name), input_keys=["x", "y"], shard_dims="dp",
-                                      batch_size=batch_size(name))  # fmt: skip
+    loader = bench_loader(name, memory_dataset(name, warmup + steps))
     count = iter(range(1, 1 << 62))
 
     def call(dm, batch):
