@@ -62,8 +62,26 @@ THREADS = [
 OTHER_THREADS = "other threads"
 
 
-def thread_kinds(pid: int) -> dict[int, str]:
-    """Each thread of ``pid`` (os thread id): its kind in `THREADS`, from one ``py-spy dump``."""
+def thread_kinds(pid: int, dumps: int = 20) -> dict[int, str]:
+    """Each thread of ``pid`` (os thread id): its kind in `THREADS`, from ``py-spy dump``s.
+
+    A thread takes the first kind any dump shows it as. Dumps go on until one shows the thread
+    that runs the steps inside a step (at most ``dumps``): between two messages it waits in
+    Ray's code, and one dump would file it with Ray's threads.
+    """
+    kind_of: dict[int, int] = {}  # thread -> index in THREADS (len: none)
+    for _ in range(dumps):
+        for tid, label in _dump(pid).items():
+            found = next((i for i, (_, marks) in enumerate(THREADS) if any(m in label for m in marks)), len(THREADS))
+            kind_of[tid] = min(found, kind_of.get(tid, len(THREADS)))
+        if 0 in kind_of.values():
+            break
+    named = {tid: THREADS[i][0] if i < len(THREADS) else OTHER_THREADS for tid, i in kind_of.items()}
+    return {tid: named.get(tid, THREADS[-1][0]) for tid in thread_cpu(pid)}
+
+
+def _dump(pid: int) -> dict[int, str]:
+    """One ``py-spy dump`` of ``pid``: each thread's name and stack, as one line."""
     for attempt in range(5):  # --nonblocking reads a running process: a read can catch it mid-change and fail
         dump = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--json", "--nonblocking"],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -71,13 +89,8 @@ def thread_kinds(pid: int) -> dict[int, str]:
             break
     else:
         raise RuntimeError(f"py-spy dump of {pid} failed 5 times: {dump.stderr[-2000:]}")
-    named = {}
-    for thread in json.loads(dump.stdout):
-        label = f"{thread.get('thread_name') or ''}: " + ";".join(f"{f['name']} ({f['filename']})"
-                                                                  for f in thread.get("frames") or [])  # fmt: skip
-        named[int(thread["os_thread_id"])] = next((k for k, marks in THREADS if any(m in label for m in marks)),
-                                                  OTHER_THREADS)  # fmt: skip
-    return {tid: named.get(tid, THREADS[-1][0]) for tid in thread_cpu(pid)}
+    return {int(t["os_thread_id"]): f"{t.get('thread_name') or ''}: " + ";".join(
+        f"{f['name']} ({f['filename']})" for f in t.get("frames") or []) for t in json.loads(dump.stdout)}
 
 
 def thread_cpu(pid: int) -> dict[int, float]:

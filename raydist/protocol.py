@@ -21,7 +21,8 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import BuildReport, Parcel, Progress, RankAnswers, ReadOrder, Reattached, StepResults
+from .messages import (INLINE_BYTES, BuildReport, Parcel, Progress, RankAnswers, ReadOrder, Reattached, StepResults,
+                       pack, unpack)
 from .net import free_port
 from .topology import ModePlan
 
@@ -166,9 +167,14 @@ class RankActor(Member):
         return self.model.set_mode(mode)
 
     @reports_rank
-    def run(self, parcel: Parcel) -> StepResults | None:
-        """The parcel's steps, in order: this rank's local results of each if the driver reads them, else None."""
-        return self.model.run(parcel, self.data)
+    def run(self, parcel: Parcel | bytes) -> StepResults | bytes | None:
+        """The parcel's steps, in order: this rank's local results of each if the driver reads them, else None.
+        A `raydist.messages.pack`ed parcel gets its results packed too, unless they are large (the
+        object store takes large arrays without a copy)."""
+        if not isinstance(parcel, bytes):
+            return self.model.run(parcel, self.data)
+        results = self.model.run(unpack(parcel), self.data)
+        return pack(results) if results is not None and results.nbytes <= INLINE_BYTES else results
 
     # -- relayed messages (`raydist.driver.transport.TreeTransport`) ---------------
 

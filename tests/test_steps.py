@@ -48,16 +48,34 @@ def test_window_keeps_at_most_size_messages_and_completes_in_order():
         Ranks().window(2, most=0)
 
 
-def test_steps_called_while_the_window_is_full_go_together_in_one_message():
+def test_steps_called_while_a_message_is_out_go_together_in_one_message():
     ranks = Ranks()
     window = ranks.window(2, first=10, most=3)
     steps = [window.submit(i, lambda r: r[0] * 10) for i in range(7)]
-    # 0 and 1 go alone; 2-4 wait for room, and leave together once they are 3 (after 0 is done)
-    assert ranks.sent == [(10, [0]), (11, [1]), (12, [2, 3, 4])] and steps[0].done and not steps[1].done
+    # 0 goes alone (the ranks were idle); 1-3 wait beside it and leave once they are 3;
+    # 4-6 too, once the oldest (0) is done: 2 messages are out
+    assert ranks.sent == [(10, [0]), (11, [1, 2, 3]), (14, [4, 5, 6])] and steps[0].done and not steps[1].done
     assert len(window) == 6 and window.oldest == 11
-    assert steps[6].result() == 60  # reading a held step sends it, with the one held before it
-    assert ranks.sent[3:] == [(15, [5, 6])] and [s.result() for s in steps] == [0, 10, 20, 30, 40, 50, 60]
-    assert [s.number for s in steps] == list(range(10, 17)) and window.submitted == 17
+    steps.append(window.submit(7, lambda r: r[0] * 10))
+    assert steps[7].result() == 70  # reading a held step sends it (once there is room)
+    assert ranks.sent[3:] == [(17, [7])] and [s.result() for s in steps] == [0, 10, 20, 30, 40, 50, 60, 70]
+    assert [s.number for s in steps] == list(range(10, 18)) and window.submitted == 18
+
+
+def test_a_loop_reading_every_few_steps_sends_two_messages_per_read():
+    """The step after a read goes alone to the idle ranks; the others up to the next read go
+    together, while the ranks run it."""
+    ranks = Ranks()
+    window = ranks.window(2, most=64)
+    for i in range(30):
+        step = window.submit(i, lambda r: r[0])
+        if i % 10 == 9:
+            assert step.result() == i
+    assert [(first, len(m)) for first, m in ranks.sent] == [(0, 1), (1, 9), (10, 1), (11, 9), (20, 1), (21, 9)]
+    for i in range(30, 100):  # no read: messages of steps_per_message, the rest at the end
+        window.submit(i, lambda r: r[0])
+    window.drain()
+    assert [(first, len(m)) for first, m in ranks.sent[6:]] == [(30, 1), (31, 64), (95, 5)]
 
 
 def test_auto_sizes_messages_from_the_pace_of_the_steps():
@@ -172,7 +190,7 @@ def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_
     expected = [ref.train(x, y) for x, y in data]
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            steps_per_message=4) as dm:  # fmt: skip
-        losses = [dm(x, y) for x, y in data]  # 0, 1 alone; 2-5 and 6-9 together
+        losses = [dm(x, y) for x, y in data]  # 0 alone (the ranks idle); 1-4 and 5-8 together; 9 at the read
         assert_close(losses, expected)
         assert dm._client.window.messages == 4
         params = dm.state_dict("param")
@@ -180,15 +198,15 @@ def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_
         assert_close(params[name], value, what=name)
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            steps_per_message=4, runtime_env=faults.hook("die_in_step_5_on_rank_1")) as dm:  # fmt: skip
-        losses = [dm(x, y) for x, y in data[:6]]
+        losses = [dm(x, y) for x, y in data[:9]]
         start = time.monotonic()
         with pytest.raises(raydist.RankError) as info:
             dm.wait()
         assert (info.value.rank, info.value.died, info.value.during) == (1, True, "step 5")
         assert time.monotonic() - start < 20
-        assert_close(losses[:2], expected[:2])
+        assert_close(losses[:5], expected[:5])
         with pytest.raises(raydist.RankError, match="step 5"):
-            float(losses[2])  # 2-4 went with 5, in the message that failed
+            float(losses[7])  # 6-8 went with 5, in the message that failed
 
 
 @pytest.mark.slow

@@ -106,6 +106,44 @@ def test_a_relay_trees_answer_stacks_the_ranks_and_reads_like_one_answer_per_ran
     assert TreeAnswers(None, 2)[0] is None and TreeAnswers(None, 2).stacked(0, (0,)) is None
 
 
+def test_a_small_message_and_its_results_cross_ray_pickled_once_and_large_results_do_not():
+    """`RankActor.run` given a packed parcel (what the calls transport sends) unpacks it, and packs
+    its results unless their arrays are large; a parcel object (compiled graphs, the relay tree)
+    gets objects back."""
+    from raydist.messages import INLINE_BYTES, ArraysStep, LoaderStep, LrChange, Parcel, StepResults, pack, unpack
+    from raydist.protocol import RankActor
+
+    x = np.arange(6.0).reshape(2, 3)
+    parcel = Parcel(3, (LoaderStep(0, 1, 3, ("x", "y"), (LrChange("value", (0.5,)),)), ArraysStep([x])))
+    packed = pack(parcel)
+    assert isinstance(packed, bytes)
+    x[:] = -1  # changed after sending: the message keeps what was sent
+    got = unpack(packed)
+    assert got.first == 3 and got.steps[0] == parcel.steps[0]
+    np.testing.assert_array_equal(got.steps[1].arrays[0], np.arange(6.0).reshape(2, 3))
+    assert unpack(parcel) is parcel
+    unpicklable = lambda: 0  # noqa: E731 - pickle refuses it: it travels as the object, through Ray's serializer
+    assert pack(unpicklable) is unpicklable
+
+    class Model:  # a rank's model service: each step's results
+        def __init__(self, size):
+            self.size, self.got = size, None
+
+        def run(self, parcel, data):
+            self.got = parcel
+            return StepResults.of([[np.float32(1.5), np.zeros(self.size, np.float32)] for _ in parcel.steps])
+
+    rank = RankActor(0, 2)
+    rank.model = Model(4)
+    small = rank.run(packed)
+    assert isinstance(small, bytes) and unpack(small).nbytes == 2 * 4 + 2 * 4 * 4
+    assert isinstance(rank.model.got, Parcel) and rank.model.got.first == 3
+    assert isinstance(rank.run(parcel), StepResults)  # an object in, objects out
+    rank.model = Model(INLINE_BYTES)  # its arrays go to the object store as they are, without a copy
+    large = rank.run(packed)
+    assert isinstance(large, StepResults) and large.nbytes > INLINE_BYTES
+
+
 def test_auto_dispatch_on_cpus_relays_through_the_ranks_from_eight_on():
     from raydist.driver.client import RankClient
 

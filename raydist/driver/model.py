@@ -82,11 +82,11 @@ class DistModel:
         max_in_flight: how many messages of steps may be outstanding before the
             driver waits for the oldest (see `raydist.driver.steps`); 1 with
             ``steps_per_message=1`` makes every call wait for its step.
-        steps_per_message: calls made while ``max_in_flight`` messages are
-            outstanding are held and sent together, up to this many steps in one
-            message (the ranks run them back to back, the same numbers as one at
-            a time). "auto": as many as make about 0.5 s of steps, up to 64, from
-            the steps' measured pace; 1: a message per call.
+        steps_per_message: calls made while a message is outstanding are held
+            and sent together, up to this many steps in one message (the ranks
+            run them back to back, the same numbers as one at a time); reading a
+            loss sends what is held. "auto": as many as make about 0.5 s of
+            steps, up to 64, from the steps' measured pace; 1: a message per call.
         dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
             Graph: the least driver work per step, but its channels busy-wait,
             a core per waiting process), "calls" (one actor call per rank),

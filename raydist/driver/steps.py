@@ -3,14 +3,15 @@
 A `DistModel` call dispatches a step to every rank and returns at once: a
 `Loss` for train and eval, read from the ranks only when it is used as a
 number. At most ``max_in_flight`` messages are outstanding. A call made
-while they are is held at the driver and goes out with the next message,
-which leaves as soon as the oldest message is done, or at once when it holds
-``steps_per_message`` steps (after waiting for the oldest). The ranks run a
-message's steps back to back, so a loop of short steps costs the driver one
-message per many steps, not one per step. The ranks always have the newest
-message to run while the driver gathers the next one; held steps leave as
-soon as the driver sees the oldest message done (it waits for it once
-``steps_per_message`` are held, or a loss is read). A failure surfaces a few
+while the ranks are idle goes out at once; one made while a message is out
+is held at the driver and goes out with the next message, which leaves when
+it holds ``steps_per_message`` steps (after waiting for the oldest if
+``max_in_flight`` are out), when a loss is read, or as soon as the driver
+sees the oldest message done. The ranks run a message's steps back to back,
+so a loop of short steps costs the ranks one message per many steps, not one
+per step, and a loop that reads its loss every few steps two messages per
+read: the step after a read, and the steps up to the next one, which reach
+the ranks while they run the first. A failure surfaces a few
 calls later, as a `RankError` naming the step, the rank and its traceback;
 reading a loss, a mode switch or any other call to the ranks sends what is
 held first.
@@ -123,17 +124,25 @@ class Window:
         self._completing = threading.Lock()  # one thread waits for the oldest message at a time
 
     def submit(self, message: Any, finish: Callable[[Any], Any]) -> Step:
-        """Add a step. It is sent at once while fewer than ``size`` messages are in flight;
-        otherwise it is held, to go with the next message, which leaves once the oldest
-        message is done and is sent when `steps_per_message` steps are held."""
+        """Add a step. It is sent at once if no message is in flight; otherwise it is held,
+        to go with the next message, which leaves when `steps_per_message` steps are held
+        (once fewer than ``size`` messages are in flight: after the oldest if need be), when
+        a loss is read, or once the oldest message is done.
+
+        Held rather than sent beside a running message: each message costs every rank
+        about as much CPU as a small step (BENCHMARKS.md), so a loop reading every 10
+        steps sends 2 messages per read, not 3."""
         with _interrupts_deferred(), self._lock:
             step = Step(self._count, message, finish, self)
             self._count += 1
             self._held.append(step)
-            if len(self._sent) < self.size:
+            if len(self._held) < self._k:
+                if self._sent:
+                    return step
                 self._send_held()
                 return step
-            if len(self._held) < self._k:
+            if len(self._sent) < self.size:
+                self._send_held()
                 return step
         try:
             self._complete_oldest()  # which sends what is held

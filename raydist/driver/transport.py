@@ -4,9 +4,10 @@ A message is small and identical for all ranks (each rank works out its
 own shard, and whether its result is read, from what it was told at the mode
 switch), so it is serialized once:
 
-- `CallTransport`: one actor call per rank; the message is ``ray.put`` once
-  when it is not small. The default on CPUs, and the fallback when a graph
-  cannot be compiled.
+- `CallTransport`: one actor call per rank; the message is pickled once
+  (`raydist.messages.pack`, and the ranks pack their results), or
+  ``ray.put`` once when it is not small. The default on CPUs, and the
+  fallback when a graph cannot be compiled.
 - `CompiledTransport`: a Ray Compiled Graph, ``RankActor.run`` on every rank
   fed from one input channel: one write per message instead of an actor call
   per rank. Its channels busy-wait: the driver waiting for
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from ..errors import RankError
-from ..messages import INLINE_BYTES, Parcel, RankAnswers, StepResults
+from ..messages import INLINE_BYTES, Parcel, RankAnswers, StepResults, pack, unpack
 from .watch import Watch
 
 if TYPE_CHECKING:
@@ -62,11 +63,11 @@ class CallTransport:
         self.watch = watch
 
     def send(self, parcel: Parcel) -> list[ray.ObjectRef]:
-        payload = parcel if parcel.nbytes <= INLINE_BYTES else ray.put(parcel)
+        payload = pack(parcel) if parcel.nbytes <= INLINE_BYTES else ray.put(parcel)
         return [actor.run.remote(payload) for actor in self.group.actors]
 
     def receive(self, refs: list[ray.ObjectRef], steps: range) -> list:
-        return self.group.gather(refs, during(steps), watch=self.watch, steps=steps)
+        return [unpack(r) for r in self.group.gather(refs, during(steps), watch=self.watch, steps=steps)]
 
     def close(self) -> None:
         pass
