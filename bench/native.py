@@ -14,9 +14,14 @@ import sys
 import time
 
 
+HELD = 32  # batches the "batches" feed holds
+
+
 def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool = False) -> None:
     """``feed``: "loader" (Paddle's shard_dataloader over a paddle.io.DataLoader, what a native
-    user runs) or "ideal" (the first batch, fed again at every step: no data cost at all).
+    user runs), "ideal" (the first batch, fed again at every step: no data cost at all) or
+    "batches" (`HELD` of the loader's batches, read beforehand and fed in turn: no loader at
+    step time, but each step's batch is another one, as in any real loop, and not in the cache).
     ``chunked``: after the warm-up, N steps at each line "N" on stdin (bench/paired.py); the
     loader's data is then ``warmup + steps`` batches, epoch after epoch."""
     import numpy as np
@@ -42,11 +47,15 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool
     progress = os.environ.get("RAYDIST_BENCH_PROGRESS") == "1"
     it = (batch for _ in iter(int, 1) for batch in loader())  # epoch after epoch: chunks run on and on
     first_batch = next(it)
+    held = [next(it) for _ in range(HELD)] if feed == "batches" else []
 
     def step(i: int) -> tuple[float, float]:
         """Step ``i``: its wait for data and its whole time."""
         t = time.perf_counter()
-        x, y = first_batch if (feed == "ideal" or i == 0) else next(it)
+        if feed == "ideal" or i == 0:
+            x, y = first_batch
+        else:
+            x, y = held[i % HELD] if held else next(it)
         got = time.perf_counter()
         losses.append(float(dm(x, y)))
         if i == 0:  # built: raydist.compat.executor keys it once, as raydist's ranks do

@@ -6,8 +6,9 @@ This machine's speed drifts by up to 2x over minutes, with little CPU stolen: th
 step took 98 ms of CPU in one run and 215 ms in another. Runs minutes apart then compare spells,
 not runners. Here every runner is started once and kept warm, and in each round each runner
 takes one chunk of steps (about ``--seconds`` of native's) in turn, the order rotating:
-- *native, ideal* and *native, DataLoader*: bench/native.py's ranks (``--chunked``), which run
-  N steps at each line "N" on their stdin and block on it in between;
+- *native, ideal*, *native, DataLoader* and *native, batches held in memory* (what feeding a
+  different batch each step costs by itself): bench/native.py's ranks (``--chunked``), which
+  run N steps at each line "N" on their stdin and block on it in between;
 - *raydist, loss read never / every 10 / every step*: ONE raydist model, its loader loop
   (``for batch in loader(): dm(x, y)``) going on chunk after chunk; a chunk ends with
   ``dm.wait()``;
@@ -170,12 +171,15 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
         print(f"{name}: {steps} steps per chunk", flush=True)
         loader = Native(name, warmup, "loader")
         opened.append(loader)
+        held = Native(name, warmup, "batches")
+        opened.append(held)
         ours = Raydist(name, warmup, (rounds + 1) * len(reads) * steps)
         opened.append(ours)
         floor = RayFloor()
         opened.append(floor)
         runners = {"native, ideal": lambda: ideal.chunk(steps),
-                   "native, DataLoader": lambda: loader.chunk(steps)}  # fmt: skip
+                   "native, DataLoader": lambda: loader.chunk(steps),
+                   "native, batches held in memory, a different one each step": lambda: held.chunk(steps)}  # fmt: skip
         for read in reads:
             runners[f"raydist, loss read {read}"] = lambda every=EVERY[read]: ours.chunk(steps, every)
         runners["Ray: an actor call to each of 2 actors that do nothing"] = lambda: floor.chunk(steps)

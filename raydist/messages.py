@@ -80,9 +80,9 @@ def pack(message: Any) -> Any:
     """``message`` pickled once, to cross Ray as bytes (the object itself if pickle cannot take it).
 
     Ray passes bytes through as they are, but runs any other object through its
-    serializer for each call and again on the other side: with a message
-    sent to 2 ranks and their results read each step, bytes save about 0.4 ms
-    a step here (BENCHMARKS.md, "packed messages").
+    serializer (cloudpickle, and its numpy handling) for each call and again on
+    the other side: for a loop that reads its loss every step that is CPU on
+    the driver and on every rank at each step.
     """
     try:
         return pickle.dumps(message, protocol=5)
