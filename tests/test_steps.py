@@ -78,6 +78,24 @@ def test_a_loop_reading_every_few_steps_sends_two_messages_per_read():
     assert [(first, len(m)) for first, m in ranks.sent[6:]] == [(30, 1), (31, 64), (95, 5)]
 
 
+def test_a_loop_reading_the_loss_of_the_step_before_keeps_the_next_one_on_the_ranks():
+    """Reading step i-1's loss right after sending step i: step i is held (a message is out),
+    and goes to the ranks before the driver waits for i-1, so they never idle between the two."""
+    events = []
+    ranks = Ranks()
+    send, receive = ranks.send, ranks.receive
+    ranks.send = lambda first, messages: events.append(f"send {first}") or send(first, messages)
+    ranks.receive = lambda ticket, steps: events.append(f"wait {steps[0]}") or receive(ticket, steps)
+    window = ranks.window(2, most=64)
+    before = None
+    for i in range(4):
+        step = window.submit(i, lambda r: r[0])
+        if before is not None:
+            assert before.result() == i - 1
+        before = step
+    assert events == ["send 0", "send 1", "wait 0", "send 2", "wait 1", "send 3", "wait 2"]
+
+
 def test_auto_sizes_messages_from_the_pace_of_the_steps():
     ranks = Ranks()
     window = ranks.window(1, most="auto")

@@ -11,7 +11,10 @@ sees the oldest message done. The ranks run a message's steps back to back,
 so a loop of short steps costs the ranks one message per many steps, not one
 per step, and a loop that reads its loss every few steps two messages per
 read: the step after a read, and the steps up to the next one, which reach
-the ranks while they run the first. A failure surfaces a few
+the ranks while they run the first. Whenever the driver waits for a message
+and fewer than ``max_in_flight`` are out, what is held goes first, so a loop
+that reads the loss of the step before the one it just sent keeps the ranks
+busy as it would with every step sent at once. A failure surfaces a few
 calls later, as a `RankError` naming the step, the rank and its traceback;
 reading a loss, a mode switch or any other call to the ranks sends what is
 held first.
@@ -130,8 +133,8 @@ class Window:
         a loss is read, or once the oldest message is done.
 
         Held rather than sent beside a running message: each message costs every rank
-        about as much CPU as a small step (BENCHMARKS.md), so a loop reading every 10
-        steps sends 2 messages per read, not 3."""
+        about as much CPU as a small step (BENCHMARKS.md: a loss read every step against
+        none), so a loop reading every 10 steps sends 2 messages per read, not 3."""
         with _interrupts_deferred(), self._lock:
             step = Step(self._count, message, finish, self)
             self._count += 1
@@ -207,6 +210,10 @@ class Window:
                     if self._held:
                         self._send_held()
                     return
+                if self._held and len(self._sent) < self.size:
+                    # the driver is about to wait: what is held goes first, for the ranks to run
+                    # next (a loop that reads the loss of the step before the one it just sent)
+                    self._send_held()
                 parcel = self._sent[0]
             try:
                 results = self._receive(parcel.ticket, parcel.numbers)
