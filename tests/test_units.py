@@ -650,6 +650,10 @@ BENCH_FORMS = {
                              reads="never,every 10,every step", compiled=False),
     "small --models mlp-mp2 --reads never --compiled": dict(what="small", models="mlp-mp2", reads="never", compiled=True),
     "profile --models mlp-mp2 --seconds 15": dict(what="profile", models="mlp-mp2", seconds=15, every=0),
+    "paired --models mlp-mp2 --rounds 20": dict(what="paired", models="mlp-mp2", rounds=20, seconds=1.0, warmup=20,
+                                                reads="never,every 10,every step"),
+    "paired --models wide-mp2 --rounds 30 --reads never": dict(what="paired", models="wide-mp2", rounds=30,
+                                                               reads="never"),
 }
 
 
