@@ -126,16 +126,9 @@ def record(pid: int, seconds: float) -> collections.Counter:
 def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Counter, collections.Counter, int]:
     import ray
 
-    import raydist
-    from bench.models import MODELS, batch_size, mesh, rows
-    from bench.run import RANK_ENV, _raydist
+    from bench.run import _raydist, bench_loader, memory_dataset
 
-    steps = 20_000
-    ds = ray.data.range(steps * batch_size(name)).map_batches(
-        lambda b, kind=MODELS[name][0]: rows(kind, b["id"]), runtime_env=RANK_ENV
-    ).materialize()
-    loader = raydist.shard_dataloader(ds, mesh(name), input_keys=["x", "y"], shard_dims="dp",
-                                      batch_size=batch_size(name))  # fmt: skip
+    loader = bench_loader(name, memory_dataset(name, 20_000))
     done, stop = [0], threading.Event()
     with _raydist(name, loader) as dm:
         def loop():

@@ -139,13 +139,10 @@ class Window:
             step = Step(self._count, message, finish, self)
             self._count += 1
             self._held.append(step)
-            if len(self._held) < self._k:
-                if self._sent:
-                    return step
+            if not self._sent or (len(self._held) >= self._k and len(self._sent) < self.size):
                 self._send_held()
                 return step
-            if len(self._sent) < self.size:
-                self._send_held()
+            if len(self._held) < self._k:
                 return step
         try:
             self._complete_oldest()  # which sends what is held
@@ -159,11 +156,7 @@ class Window:
 
     def complete_through(self, step: Step) -> None:
         while not step.done:
-            with _interrupts_deferred(), self._lock:
-                if step.parcel is None and len(self._sent) < self.size:
-                    self._send_held()
-                    continue
-            self._complete_oldest()
+            self._complete_oldest()  # which sends what is held first, if there is room
 
     def drain(self) -> None:
         """Send what is held, and complete every step (raising the first failure)."""
