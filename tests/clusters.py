@@ -36,10 +36,20 @@ def run_driver(code: str, timeout: float = 240, env: dict | None = None, cwd: st
     env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS), **(env or {})}
     if not env.get("RAY_ADDRESS"):
         env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    return done.stdout
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=cwd)  # fmt: skip
+    try:
+        out, err = driver.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        driver.send_signal(signal.SIGINT)  # its `finally` stops the clusters it started
+        try:
+            out, err = driver.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            out, err = driver.communicate()
+        raise AssertionError(f"the driver did not end in {timeout:.0f} s; it printed:\n" + (out + err)[-6000:])
+    assert driver.returncode == 0, (out + err)[-6000:]
+    return out
 
 
 # Real raylets: a 1-CPU head the driver runs on, and worker nodes with a "rank" resource
