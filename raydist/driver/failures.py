@@ -12,7 +12,7 @@ from ..errors import RankError, RankFailed, RankRefused
 
 def steps_failed(refs: Sequence, wait_s: float = 0.2) -> list[int]:
     """The steps that the ranks of ``refs`` (a message's) said they failed in, within ``wait_s``."""
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s, fetch_local=False)
     found = []
     for ref in ready:
         try:

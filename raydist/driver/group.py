@@ -195,9 +195,10 @@ class RankGroup:
             raise GroupShutdownError(self._why)
 
     def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
-               watch: "Watch | None" = None, steps: range | None = None) -> list:  # fmt: skip
+               watch: "Watch | None" = None, steps: range | None = None, later: Sequence[Sequence] = ()) -> list:
         """Results of ``refs`` (one per rank in ``ranks``, default all, in order; ``steps``:
-        the steps they run, if they are a message's).
+        the steps they run, if they are a message's; ``later``: the refs of the messages sent
+        after it, whose failed steps also say where a rank died).
 
         - A call every rank refused (`UsageError`: the caller's mistake, nothing
           changed on the ranks) raises that `UsageError`; the group stays.
@@ -221,8 +222,8 @@ class RankGroup:
                 refusal = self._refusal(refs)
                 if refusal is not None:
                     raise refusal from None
-            broke_off = steps_failed(refs) if steps is not None and len(steps) > 1 else []
-            raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1, steps, broke_off) from e
+            sent = [*refs, *(r for out in later for r in out)] if steps is not None else []
+            raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1, steps, sent) from e
 
     def _refusal(self, refs: Sequence) -> UsageError | None:
         """The `UsageError` every rank refused a call with; None if some did not refuse in time."""
@@ -246,22 +247,24 @@ class RankGroup:
         return RankError(stuck[0] if stuck else -1, why, during=during)
 
     def fail(self, e: BaseException, during: str, rank: int = -1, steps: range | None = None,
-             broke_off: Sequence[int] = ()) -> RankError:  # fmt: skip
+             sent: Sequence = ()) -> RankError:  # fmt: skip
         """Tear the group down after ``e``; the error to raise, naming the root cause.
 
         A rank's death makes its peers' collectives fail too, sometimes before
         Ray reports the death: a dead rank, if any, is the one to name. When it
-        died inside a message of several ``steps``, the step is the earliest one
-        a survivor is in or broke off in (``broke_off``: steps that failed on the
-        ranks): the dead rank's peers wait for it there.
+        died in a message's ``steps`` or a later one's, the step is the earliest
+        one a survivor is in or broke off in (``sent``: the refs of those
+        messages, whose failures say the step): the dead rank's peers wait for
+        it there.
         """
         dead = self._dead_rank() if self._alive else None
         if dead is not None:
             failed = getattr(getattr(e, "cause", None), "step", None)  # a peer's step that broke off
             rank, e, running = dead
+            # survivors that broke off are idle, and their answers in: a wait only when none runs
             running += [failed] if failed is not None else []
-            running += list(broke_off)
-            if steps is not None and len(steps) > 1 and running:
+            running += steps_failed(sent, wait_s=0 if running else 0.2) if sent else []
+            if steps is not None and running:
                 during = f"step {min(running)}"
             for callback in self._on_death:
                 try:

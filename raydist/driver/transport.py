@@ -61,16 +61,24 @@ class CallTransport:
     def __init__(self, group: "RankGroup", watch: Watch):
         self.group = group
         self.watch = watch
+        self._out: list[list[ray.ObjectRef]] = []  # the messages sent and not yet received, oldest first
 
     def send(self, parcel: Parcel) -> list[ray.ObjectRef]:
         payload = pack(parcel) if parcel.nbytes <= INLINE_BYTES else ray.put(parcel)
-        return [actor.run.remote(payload) for actor in self.group.actors]
+        refs = [actor.run.remote(payload) for actor in self.group.actors]
+        self._out.append(refs)
+        return refs
 
     def receive(self, refs: list[ray.ObjectRef], steps: range) -> list:
-        return [unpack(r) for r in self.group.gather(refs, during(steps), watch=self.watch, steps=steps)]
+        # a rank that dies as the next message begins can take its answer to this one with it: the
+        # survivors' failures in the messages after this one say in which step it died
+        i = next((i for i, out in enumerate(self._out) if out is refs), len(self._out))
+        answers = self.group.gather(refs, during(steps), watch=self.watch, steps=steps, later=self._out[i + 1:])
+        del self._out[i : i + 1]  # not before: a wait cut short (Ctrl-C) is asked again
+        return [unpack(r) for r in answers]
 
     def close(self) -> None:
-        pass
+        self._out.clear()
 
 
 @dataclasses.dataclass
