@@ -106,6 +106,28 @@ def test_training_through_the_loader_matches_single_process(tagger):
         assert_close(params[name], value, what=name)
 
 
+def test_a_loop_that_reads_nothing_sends_the_next_epoch_while_the_ranks_still_run_this_one(tagger):
+    """The next epoch's first step opens its reading while the ranks still have several steps of
+    this epoch to run (4 steps a message, the reader 1 step ahead): they still get their batches;
+    the losses of 3 epochs, read at the end, and the parameters are one process's."""
+    # no shuffle: its tasks would need a CPU, and this model and the tagger hold all 8
+    loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["x", "y"], shard_dims="dp", batch_size=8,
+                                      prefetch=1)  # fmt: skip
+    probe = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
+    order = epoch_ids(tagger, probe)
+    x, y = rows()
+    ref = Reference(sgd())
+    expected = [ref.train(x[ids], y[ids]) for _ in range(3) for ids in order]
+    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4, steps_per_message=4,
+                           step_timeout_s=60) as dm:  # fmt: skip
+        losses = [dm(batch["x"], batch["y"]) for _ in range(3) for batch in loader()]
+        assert dm._client.window.messages < len(losses)  # the driver ran ahead
+        assert_close(losses, expected)
+        params = dm.state_dict("param")
+    for name, value in ref.params().items():
+        assert_close(params[name], value, what=name)
+
+
 @pytest.mark.slow
 def test_paddle_dataset_reads_like_paddles_distributed_sampler():
     data = Pairs(40)

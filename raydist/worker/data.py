@@ -118,35 +118,47 @@ class Staging:
 
 
 class Reader:
-    """The reading threads of this rank, one per loader it reads for."""
+    """The reading threads of this rank, one per loader and epoch it reads for."""
 
     def __init__(self, staging: Staging):
         self._staging = staging
-        self._threads: dict[int, _ReadThread] = {}
+        self._threads: dict[tuple[int, int], _ReadThread] = {}  # (loader, epoch) -> its reader
+        self._lock = threading.Lock()  # opened from the data thread, consumed from the step thread
 
     def open(self, order: ReadOrder, members: list) -> None:
-        """Start reading ``order``'s epoch (ending the loader's previous one); ``members``:
-        the actor handles of the group's ranks, None for this one."""
-        old = self._threads.pop(order.loader, None)
+        """Start reading ``order``'s epoch (ending a reading of the same epoch); ``members``:
+        the actor handles of the group's ranks, None for this one.
+
+        The epoch before goes on: the driver opens an epoch with its first step, which may
+        be sent while this rank still has the last steps of the one before to run."""
+        thread = _ReadThread(self._staging, order, members)
+        with self._lock:
+            old = self._threads.pop((order.loader, order.epoch), None)
+            self._threads[(order.loader, order.epoch)] = thread
         if old is not None:
             old.stop()
-        thread = _ReadThread(self._staging, order, members)
-        self._threads[order.loader] = thread
         try:
             thread.start()
         except BaseException:
             thread.fail()
 
     def close(self) -> None:
-        threads, self._threads = self._threads, {}
+        with self._lock:
+            threads, self._threads = self._threads, {}
         for thread in threads.values():
             thread.stop()
 
     def consumed(self, loader: int, epoch: int, step: int) -> None:
-        """This rank took ``step``: its reader may read one more ahead."""
-        thread = self._threads.get(loader)
-        if thread is not None and thread.order.epoch == epoch:
+        """This rank took ``step``: its reader may read one more ahead, and a reader of an
+        earlier epoch of the loader stops (that epoch was left: no step takes its batches)."""
+        with self._lock:
+            thread = self._threads.get((loader, epoch))
+            left = [k for k in self._threads if k[0] == loader and k[1] < epoch]
+            done = [self._threads.pop(k) for k in left]
+        if thread is not None:
             thread.consumed(step)
+        for old in done:
+            old.stop()
 
 
 class _ReadThread(threading.Thread):
