@@ -12,7 +12,10 @@ takes one chunk of steps (about ``--seconds`` of native's) in turn, the order ro
 - *raydist, loss read never / every 10 / every step*: ONE raydist model, its loader loop
   (``for batch in loader(): dm(x, y)``) going on chunk after chunk; a chunk ends with
   ``dm.wait()``;
-- *Ray*: an actor call to each of 2 actors that do nothing (the floor of a read every step).
+- *Ray*: an actor call to each of 2 actors that do nothing (the floor of a read every step);
+- with "every step" read, a second raydist model whose ranks run a program's ops on Paddle's
+  pool of threads, as Paddle does by default (raydist's CPU ranks run them on the step's thread:
+  `raydist.env.executor_flags`).
 A runner's ratio is its chunk's step over the native ideal chunk's of the same round, and the
 table reports the median over the rounds and their range; one warm-up round is left out. Rank
 CPU per step is each rank process's (all its threads), read with psutil by this process.
@@ -95,13 +98,13 @@ class Native:
 class Raydist:
     """One raydist model through its loader, the loop going on chunk after chunk."""
 
-    def __init__(self, name: str, warmup: int, total_steps: int):
+    def __init__(self, name: str, warmup: int, total_steps: int, env_vars: dict | None = None):
         import ray
 
         from bench.run import _raydist, bench_loader, memory_dataset
 
         loader = bench_loader(name, memory_dataset(name, warmup + total_steps))
-        self.dm = _raydist(name, loader)
+        self.dm = _raydist(name, loader, env_vars=env_vars)
         self._batches = iter(loader())
         self.pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in self.dm._client.group.actors])
         for _ in range(warmup):
@@ -156,6 +159,9 @@ class RayFloor:
             ray.kill(a)
 
 
+POOL = "raydist, loss read every step, ops on Paddle's pool of threads (FLAGS_new_executor_serial_run=0)"
+
+
 def chunk_steps(seconds: float, step: float, every: list[int]) -> int:
     """Steps per chunk: about ``seconds`` of ``step``, a multiple of 10 and of every read interval."""
     unit = max([10, *every])
@@ -182,6 +188,10 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
                    "native, batches held in memory, a different one each step": lambda: held.chunk(steps)}  # fmt: skip
         for read in reads:
             runners[f"raydist, loss read {read}"] = lambda every=EVERY[read]: ours.chunk(steps, every)
+        if "every step" in reads:  # what running a program's ops on the step's thread saves (raydist.env)
+            pool = Raydist(name, warmup, (rounds + 1) * steps, {"FLAGS_new_executor_serial_run": "0"})
+            opened.append(pool)
+            runners[POOL] = lambda: pool.chunk(steps, 1)
         runners["Ray: an actor call to each of 2 actors that do nothing"] = lambda: floor.chunk(steps)
         chunks: dict[str, list[dict]] = {label: [] for label in runners}
         for round_ in range(rounds + 1):

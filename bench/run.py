@@ -101,7 +101,8 @@ def run_native(name: str, warmup: int, steps: int, feed: str = "loader") -> dict
             **per_step(r0["machine"][0], r0["machine"][1], steps)}  # fmt: skip
 
 
-def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | None = None, **kwargs):
+def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | None = None,
+             env_vars: dict | None = None, **kwargs):  # fmt: skip
     import paddle
 
     import raydist
@@ -110,7 +111,8 @@ def _raydist(name: str, loader=None, max_in_flight: int = 2, dispatch: str | Non
     return raydist.to_static(
         lambda: models.build_layer(name), loader, models.loss(name),
         lambda p: paddle.optimizer.AdamW(1e-3, parameters=p), strategy=models.strategy(name),
-        num_workers=models.world_size(name), runtime_env=RANK_ENV, max_in_flight=max_in_flight,
+        num_workers=models.world_size(name), runtime_env={"env_vars": {**RANK_ENV["env_vars"], **(env_vars or {})}},
+        max_in_flight=max_in_flight,
         dispatch=dispatch or DISPATCH[0], **kwargs,
     )  # fmt: skip
 

@@ -8,7 +8,7 @@ the backend and the device variables.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 # Paddle's C++ (glog) log level in ranks unless Paddle's logs are asked for:
 # warnings and errors only (Paddle's default prints every INFO line).
@@ -68,3 +68,17 @@ def paddle_env(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
         env["FLAGS_selected_gpus"] = str(node_gpus.index(me.gpu_ids[0]))
     return env
+
+
+def executor_flags(use_gpu: bool, environ: Mapping[str, str]) -> dict[str, bool]:
+    """Paddle flags a rank sets once it has imported Paddle, unless ``environ`` (the rank's
+    environment: a ``runtime_env``'s ``env_vars``) sets them itself.
+
+    On CPUs, ``FLAGS_new_executor_serial_run``: Paddle's executor runs a program's ops on
+    the calling thread rather than handing them to its pool of threads. Between two of the
+    driver's messages the pool's threads go to sleep, and waking them for the next step
+    costs a small step more than they save; a step that computes for long enough keeps the
+    same speed (BENCHMARKS.md, "Paddle's executor pool"). GPUs keep Paddle's default.
+    """
+    flags = {} if use_gpu else {"FLAGS_new_executor_serial_run": True}
+    return {name: value for name, value in flags.items() if name not in environ}

@@ -4,6 +4,7 @@ a step uses can change under it."""
 import numpy as np
 import paddle
 import pytest
+import ray
 
 import raydist
 from models import Reference, Rows, adamw, assert_close, assert_fit_like_one_process, batches, build
@@ -22,17 +23,22 @@ def train_through_the_loader(kind: str, n: int, data: Rows, env: dict) -> tuple[
                            runtime_env={"env_vars": env}) as dm:  # fmt: skip
         losses = [dm(b["x"], b["y"]) for epoch in range(2) for b in loader.epoch(epoch)]
         losses = [float(loss) for loss in losses]
+        flag = "FLAGS_new_executor_serial_run"
+        serial = [a.__ray_call__.remote(lambda rank: paddle.get_flags(flag)[flag]) for a in dm._client.group.actors]
+        assert ray.get(serial) == [env.get(flag, "1") == "1"] * n  # raydist's, unless the environment says
         return losses, dm.state_dict("param")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, n", [("dp", 2), ("dpmp", 4)])
 def test_the_prepared_steps_equal_paddles_executor_run_bit_for_bit_and_one_process(kind, n):
-    """Shuffled loader runs over 2 epochs: the fast path's losses and parameters are those of
-    Paddle's own Executor.run (RAYDIST_COMPAT_DISABLE=executor) to the bit, and those of one process."""
+    """Shuffled loader runs over 2 epochs: the fast path's losses and parameters (ops run on the
+    step's thread) are those of Paddle's own Executor.run (RAYDIST_COMPAT_DISABLE=executor) with
+    Paddle's pool of threads to the bit, and those of one process."""
     data = Rows(48, seed=5)
     fast, fast_params = train_through_the_loader(kind, n, data, {})
-    slow, slow_params = train_through_the_loader(kind, n, data, {"RAYDIST_COMPAT_DISABLE": "executor"})
+    slow, slow_params = train_through_the_loader(kind, n, data, {"RAYDIST_COMPAT_DISABLE": "executor",
+                                                                 "FLAGS_new_executor_serial_run": "0"})  # fmt: skip
     assert fast == slow, (fast, slow)
     assert fast_params.keys() == slow_params.keys()
     for name in fast_params:

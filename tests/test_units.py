@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from raydist.env import RankPlace, paddle_env
+from raydist.env import RankPlace, executor_flags, paddle_env
 from raydist.specs import TensorSpec, spec_of
 from raydist.topology import Layout, Mesh, data_layout
 
@@ -170,6 +170,13 @@ def test_cpu_environment():
     assert env["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.2:2" and env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(eps)
     assert env["PADDLE_LOCAL_RANK"] == "1" and env["PADDLE_LOCAL_SIZE"] == "2" and env["PADDLE_NNODES"] == "2"
     assert "CUDA_VISIBLE_DEVICES" not in env and "FLAGS_selected_gpus" not in env and "POD_NAME" not in env
+
+
+def test_cpu_ranks_run_a_programs_ops_on_the_steps_thread_unless_their_environment_says():
+    flag = "FLAGS_new_executor_serial_run"
+    assert executor_flags(False, {}) == {flag: True}
+    assert executor_flags(False, {flag: "0"}) == {}  # a runtime_env's env_vars: Paddle read it at import
+    assert executor_flags(True, {}) == {}  # GPUs: Paddle's default
 
 
 def test_gpu_environment_selects_the_gpu_ray_gave_each_rank():

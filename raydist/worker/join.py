@@ -15,7 +15,7 @@ import logging
 import os
 import warnings
 
-from ..env import QUIET_GLOG_LEVEL
+from ..env import QUIET_GLOG_LEVEL, executor_flags
 
 # Paddle warnings every rank repeats and no user can act on.
 NOISE = ("Tensor do not have 'place' interface",)
@@ -71,6 +71,10 @@ def join(env: dict[str, str], use_gpu: bool) -> tuple[list[str], str]:
 
     device = f"gpu:{env['FLAGS_selected_gpus']}" if use_gpu else "cpu"
     paddle.set_device(device)
+    try:
+        paddle.set_flags(executor_flags(use_gpu, os.environ))  # after the import: CPU ranks import Paddle early
+    except ValueError:  # a Paddle without the flag (tests/test_fast_steps.py says so): its default
+        pass
     from .. import compat
     from ..compat import store
 
