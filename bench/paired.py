@@ -12,7 +12,10 @@ takes one chunk of steps (about ``--seconds`` of native's) in turn, the order ro
 - *raydist, loss read never / every 10 / every step*: ONE raydist model, its loader loop
   (``for batch in loader(): dm(x, y)``) going on chunk after chunk; a chunk ends with
   ``dm.wait()``;
-- *Ray*: an actor call to each of 2 actors that do nothing (the floor of a read every step);
+- *Ray*: an actor call to each of 2 actors that do nothing; with "every step" read, also to 2
+  actors that sleep for native's step (timed once at the start) and return: the floor of a
+  read every step through actor calls, whose round trip grows when the call takes a while
+  (the waiting threads, the driver's and Ray's, go to sleep and must be woken);
 - with "every step" read, a second raydist model whose ranks run a program's ops on Paddle's
   pool of threads, as Paddle does by default (raydist's CPU ranks run them on the step's thread:
   `raydist.env.executor_flags`).
@@ -130,16 +133,19 @@ class Raydist:
 
 
 class RayFloor:
-    """2 Ray actors that do nothing, an actor call to each per step."""
+    """2 Ray actors that do nothing but wait ``hold_s``, an actor call to each per step."""
 
-    def __init__(self):
+    def __init__(self, hold_s: float = 0.0):
         import ray
 
         @ray.remote(num_cpus=0)
         class Idle:
-            def step(self, number: int) -> float:
+            def step(self, number: int, hold_s: float) -> float:
+                if hold_s:
+                    time.sleep(hold_s)
                 return 0.0
 
+        self.hold_s = hold_s
         self.actors = [Idle.remote(), Idle.remote()]
         self.pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in self.actors])
 
@@ -148,7 +154,7 @@ class RayFloor:
 
         def run():
             for i in range(steps):
-                ray.get([a.step.remote(i) for a in self.actors])
+                ray.get([a.step.remote(i, self.hold_s) for a in self.actors])
 
         return _timed(self.pids, steps, run)
 
@@ -159,6 +165,8 @@ class RayFloor:
             ray.kill(a)
 
 
+FLOOR = "Ray: an actor call to each of 2 actors that do nothing"
+FLOOR_HELD = "Ray: an actor call to each of 2 actors that sleep for a native step ({ms:.2f} ms) and return"
 POOL = "raydist, loss read every step, ops on Paddle's pool of threads (FLAGS_new_executor_serial_run=0)"
 
 
@@ -183,6 +191,7 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
         opened.append(ours)
         floor = RayFloor()
         opened.append(floor)
+        native_step = ideal.chunk(steps)["step"]
         runners = {"native, ideal": lambda: ideal.chunk(steps),
                    "native, DataLoader": lambda: loader.chunk(steps),
                    "native, batches held in memory, a different one each step": lambda: held.chunk(steps)}  # fmt: skip
@@ -192,7 +201,11 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
             pool = Raydist(name, warmup, (rounds + 1) * steps, {"FLAGS_new_executor_serial_run": "0"})
             opened.append(pool)
             runners[POOL] = lambda: pool.chunk(steps, 1)
-        runners["Ray: an actor call to each of 2 actors that do nothing"] = lambda: floor.chunk(steps)
+        runners[FLOOR] = lambda: floor.chunk(steps)
+        if "every step" in reads:  # a call that takes a step's time: Ray's threads sleep while they wait
+            held_floor = RayFloor(native_step)
+            opened.append(held_floor)
+            runners[FLOOR_HELD.format(ms=1e3 * native_step)] = lambda: held_floor.chunk(steps)
         chunks: dict[str, list[dict]] = {label: [] for label in runners}
         for round_ in range(rounds + 1):
             got = {label: runners[label]() for label in rotated(list(runners), round_)}
