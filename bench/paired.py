@@ -191,7 +191,6 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
         opened.append(ours)
         floor = RayFloor()
         opened.append(floor)
-        native_step = ideal.chunk(steps)["step"]
         runners = {"native, ideal": lambda: ideal.chunk(steps),
                    "native, DataLoader": lambda: loader.chunk(steps),
                    "native, batches held in memory, a different one each step": lambda: held.chunk(steps)}  # fmt: skip
@@ -203,7 +202,7 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
             runners[POOL] = lambda: pool.chunk(steps, 1)
         runners[FLOOR] = lambda: floor.chunk(steps)
         if "every step" in reads:  # a call that takes a step's time: Ray's threads sleep while they wait
-            held_floor = RayFloor(native_step)
+            held_floor = RayFloor(native_step := ideal.chunk(steps)["step"])
             opened.append(held_floor)
             runners[FLOOR_HELD.format(ms=1e3 * native_step)] = lambda: held_floor.chunk(steps)
         chunks: dict[str, list[dict]] = {label: [] for label in runners}

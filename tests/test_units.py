@@ -899,3 +899,17 @@ def test_bench_paired_chunks_hold_whole_read_intervals_and_ratios_pair_rounds():
         assert 0.3 <= _process_cpu([spin.pid]) < 0.6  # the process's user + system time, its start's too
     finally:
         spin.communicate(timeout=60)
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(120)
+def test_bench_rays_floor_held_for_a_step_takes_that_step_in_each_call():
+    from bench.paired import RayFloor
+
+    held, idle = RayFloor(0.05), RayFloor()
+    try:
+        assert held.chunk(4)["step"] >= 0.05  # every call of the 2 actors sleeps its step
+        assert idle.chunk(4)["step"] < held.chunk(4)["step"]
+    finally:
+        held.close()
+        idle.close()
