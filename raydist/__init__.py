@@ -13,7 +13,7 @@ from .data import Handle, ShardDataloader, shard_dataloader
 from .driver.detached import ModelHeldError
 from .driver.model import DistModel, to_static
 from .driver.runs import CheckpointInfo, latest_checkpoint
-from .driver.status import RankStatus, status
+from .driver.status import ModelStatus, RankStatus, models, status
 from .driver.steps import Loss
 from .errors import GroupShutdownError, RankError, UsageError
 
@@ -43,12 +43,14 @@ __all__ = [
     "Handle",
     "Loss",
     "ModelHeldError",
+    "ModelStatus",
     "RankError",
     "RankStatus",
     "ShardDataloader",
     "UsageError",
     "attach",
     "latest_checkpoint",
+    "models",
     "shard_dataloader",
     "status",
     "to_static",

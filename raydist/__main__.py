@@ -1,5 +1,5 @@
-"""``python -m raydist launch ...``: the ``raydist`` command."""
+"""``python -m raydist ...``: the ``raydist`` command (`raydist.cli`)."""
 
-from .integrations.launch import cli
+from .cli import main
 
-cli()
+raise SystemExit(main())

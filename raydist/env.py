@@ -82,3 +82,35 @@ def executor_flags(use_gpu: bool, environ: Mapping[str, str]) -> dict[str, bool]
     """
     flags = {} if use_gpu else {"FLAGS_new_executor_serial_run": True}
     return {name: value for name, value in flags.items() if name not in environ}
+
+
+# What `raydist launch` leaves out of the launching shell's environment when it gives it to every
+# rank (README, "raydist launch"): variables that describe the launching machine, not the run. The
+# rank's own process has them from its node. By name:
+MACHINE_VARIABLES = frozenset({
+    # paths on the launching machine
+    "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONPYCACHEPREFIX", "LD_LIBRARY_PATH",
+    "LD_PRELOAD", "LIBRARY_PATH", "CPATH", "MANPATH", "INFOPATH", "PKG_CONFIG_PATH", "TMPDIR", "TMP", "TEMP", "PWD",
+    "OLDPWD",
+    # its user
+    "HOME", "USER", "LOGNAME", "USERNAME", "MAIL", "KRB5CCNAME",
+    # its shell, terminal and desktop session
+    "SHELL", "SHLVL", "TERM", "COLORTERM", "PS1", "PS2", "_", "HOSTNAME", "HOSTTYPE", "OSTYPE", "MACHTYPE", "DISPLAY",
+    "WAYLAND_DISPLAY", "LS_COLORS", "LESSOPEN", "LESSCLOSE", "EDITOR", "VISUAL", "PAGER", "TMUX", "TMUX_PANE", "STY",
+    "WINDOWID", "DBUS_SESSION_BUS_ADDRESS", "MOTD_SHOWN",
+    # its Python environment
+    "VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT", "PIPENV_ACTIVE", "POETRY_ACTIVE", "UV_PROJECT_ENVIRONMENT",
+    # the devices it shows (Ray gives each rank its own)
+    "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+    "XPU_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "FLAGS_selected_gpus",
+})  # fmt: skip
+# ... and by prefix: Ray's own (RAY_ADDRESS, RAY_JOB_ID...), conda, pyenv, ssh, desktop sessions,
+# terminals and IDEs, a Jupyter kernel's, a Kubernetes pod's service addresses.
+MACHINE_PREFIXES = ("RAY_", "RAYLET_", "CONDA_", "_CONDA", "PYENV", "SSH_", "XDG_", "TERM_", "VSCODE_", "JPY_",
+                    "GPG_", "KUBERNETES_")  # fmt: skip
+
+
+def launching_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of ``environ`` (the launching shell's) `raydist launch` gives every rank: all but the
+    variables that describe the launching machine (`MACHINE_VARIABLES`, `MACHINE_PREFIXES`)."""
+    return {k: v for k, v in environ.items() if k not in MACHINE_VARIABLES and not k.startswith(MACHINE_PREFIXES)}

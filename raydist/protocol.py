@@ -14,6 +14,7 @@ import functools
 import os
 import resource
 import socket
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 def reports_rank(method):
     """Raise a failure of ``method`` as `RankFailed` naming this rank; a refusal
-    (`UsageError`) as `RankRefused`."""
+    (`UsageError`) as `RankRefused`. Either way, the rank answered (`Member.answered`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -42,6 +43,8 @@ def reports_rank(method):
             raise RankRefused(self.rank, traceback.format_exc(), str(e)) from None
         except Exception as e:
             raise RankFailed(self.rank, traceback.format_exc(), getattr(e, "raydist_step", None)) from None
+        finally:
+            self.answered = time.time()
 
     return wrapper
 
@@ -65,13 +68,16 @@ SAVE = "save"  # waits for a checkpoint's background write, beside the steps
 
 
 class Member:
-    """What every raydist actor answers: where it runs, ports for the rendezvous, liveness."""
+    """What every raydist actor answers: where it runs, ports for the rendezvous, liveness,
+    and what it is (`status`, for ``raydist status``)."""
 
     concurrency_groups = {ASIDE: 1}
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
+        self.answered: float | None = None  # when it last answered its driver (time.time())
+        self.card: dict[str, Any] = {}  # what its driver says of the group (`describe`)
 
     @ray.method(concurrency_group=ASIDE)
     def place(self) -> tuple[RankPlace, int]:
@@ -95,6 +101,21 @@ class Member:
         """Answers even while a step runs: tells the driver this actor is alive (and, for a
         rank, the step it runs and for how long; None: none)."""
         return None
+
+    @ray.method(concurrency_group=ASIDE)
+    def describe(self, card: dict[str, Any]) -> None:
+        """What the driver says of the group, for anyone who asks (`status`): its holder, sizes,
+        last checkpoint (`raydist.driver.status.ModelStatus`)."""
+        self.card = card
+
+    @ray.method(concurrency_group=ASIDE)
+    def status(self) -> dict[str, Any]:
+        """Who and where (node IP and Ray node id) this actor is, its peak resident memory (MiB),
+        when it last answered, and its driver's card."""
+        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "device": "cpu", "kind": "script", "mode": None,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "last_answer": self.answered, "card": self.card}  # fmt: skip
 
 
 class RankActor(Member):
@@ -254,9 +275,7 @@ class RankActor(Member):
 
     @ray.method(concurrency_group=ASIDE)
     def status(self) -> dict[str, Any]:
-        """Who and where (node IP and Ray node id) this rank is, its mode and its peak resident memory (MiB)."""
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        mode = self.model.mode if self.model is not None else None
-        return {"rank": self.rank, "group": self.group, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "device": self.device, "mode": mode,
-                "peak_rss_mib": peak}  # fmt: skip
+        """`Member.status`, and the rank's group, device, mode and step (the number after its last)."""
+        model = self.model
+        return {**Member.status(self), "group": self.group, "device": self.device, "kind": "model",
+                "mode": model.mode if model is not None else None, "step": model.next_step if model else None}

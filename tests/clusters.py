@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -154,3 +155,124 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.5)
+
+
+class RayHead:
+    """A ``ray start --head --block`` on this machine, as an operator starts one: its GCS at
+    `address`, a Ray Client server at `client` (``ray://``), no dashboard, ``num_cpus`` CPUs and no
+    "rank" resource. `add_node` joins worker nodes (``ray start --address``) that have one, so a
+    model asking ``{"rank": 1}`` per rank runs there only, and `remove_node` takes one away. Every
+    process is stopped by the PID it was started with (``ray start --block`` stops its raylet and
+    workers when it gets SIGTERM), never by name."""
+
+    def __init__(self, num_cpus: int = 4):
+        self.temp = tempfile.mkdtemp(prefix="rdc", dir="/tmp")  # Ray's socket paths must stay short
+        self.port, self.client_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+        self.num_cpus = num_cpus
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                    "PYTHONPATH": str(TESTS)}  # fmt: skip
+        self.env.pop("RAY_ADDRESS", None)
+        self._head: subprocess.Popen | None = None
+        self._nodes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self._ip()}:{self.port}"
+
+    @property
+    def client(self) -> str:
+        return f"ray://127.0.0.1:{self.client_port}"
+
+    _ip = staticmethod(AutoscalingHead._ip)
+
+    def _start(self, args: list[str], log: str) -> subprocess.Popen:
+        out = open(Path(self.temp) / log, "w")
+        return subprocess.Popen([*RAY, "start", "--block", *args], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+
+    def __enter__(self) -> "RayHead":
+        self._head = self._start(["--head", f"--port={self.port}", f"--ray-client-server-port={self.client_port}",
+                                  f"--num-cpus={self.num_cpus}", f"--temp-dir={self.temp}",
+                                  "--include-dashboard=false", "--disable-usage-stats"], "head.log")  # fmt: skip
+        try:
+            wait_until(lambda: self._answers(self.client_port), 120, "the head's Ray Client server did not come up")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _answers(self, port: int) -> bool:
+        assert self._head.poll() is None, (Path(self.temp) / "head.log").read_text()[-3000:]
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def add_node(self, name: str, resources: dict | None = None, num_cpus: int = 2) -> str:
+        """A worker node named ``name`` with ``resources`` (default {"rank": 2}); its Ray node id,
+        once the cluster lists it."""
+        resources = {"rank": 2} if resources is None else resources
+        self._nodes[name] = self._start([f"--address={self.address}", f"--num-cpus={num_cpus}",
+                                         f"--resources={json.dumps(resources)}", f"--node-name={name}",
+                                         "--disable-usage-stats"], f"node-{name}.log")  # fmt: skip
+        found: dict = {}
+
+        def listed() -> bool:
+            assert self._nodes[name].poll() is None, (Path(self.temp) / f"node-{name}.log").read_text()[-3000:]
+            found.update(self.nodes())
+            return name in found
+
+        wait_until(listed, 120, f"node {name} did not join")
+        return found[name]
+
+    def nodes(self) -> dict[str, str]:
+        """The alive nodes' ids by name (the head's name is its IP)."""
+        return self.ask("{n['NodeName']: n['NodeID'] for n in ray.nodes() if n['Alive']}")
+
+    def ask(self, expression: str):
+        """``expression``, evaluated by a driver of this cluster in a process of its own (JSON)."""
+        code = ("import json, ray; from ray.util.placement_group import placement_group_table; "
+                f"ray.init(address={self.address!r}, logging_level='ERROR', log_to_driver=False); "
+                f"print(json.dumps({expression}))")  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def remove_node(self, name: str) -> None:
+        """Take node ``name`` away (its raylet and every process on it), as a cloud ends a machine."""
+        stop_ray_start(self._nodes.pop(name))
+
+    def remove_nodes(self) -> None:
+        """Take every worker node away."""
+        for name in list(self._nodes):
+            self.remove_node(name)
+
+    def drain(self, node_id: str, deadline_s: int, reason: str = "spot preemption (test)") -> None:
+        """Ray's preemption notice for ``node_id`` with a deadline, as a cloud's autoscaler sends it."""
+        subprocess.run([*RAY, "drain-node", "--address", self.address, "--node-id", node_id, "--reason",
+                        "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", reason, "--deadline-remaining-seconds",
+                        str(deadline_s)], env=self.env, check=True, capture_output=True, timeout=60)  # fmt: skip
+
+    def stop(self) -> None:
+        self.remove_nodes()
+        if self._head is not None:
+            stop_ray_start(self._head)
+
+
+def stop_ray_start(process: subprocess.Popen) -> None:
+    """Stop a ``ray start --block`` by its PID (it stops what it started), then anything left in its
+    session (it was started in a session of its own)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

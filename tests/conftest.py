@@ -17,3 +17,13 @@ def ray_session():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A `ray start --head` with a Ray Client server, as an operator starts one (`clusters.RayHead`),
+    for the tests of where users stand: Ray Client, `raydist launch --address`, the terminal."""
+    from clusters import RayHead
+
+    with RayHead() as head:
+        yield head

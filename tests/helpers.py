@@ -6,6 +6,7 @@ and from `faults` (faults injected into rank processes), never from each other.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -112,3 +113,104 @@ def schedule(kind: str):
 
 def scheduled_sgd(kind: str):
     return lambda params: paddle.optimizer.SGD(learning_rate=schedule(kind), parameters=params)
+
+
+# -- driver processes -----------------------------------------------------------------------
+
+
+def said(process, word: str) -> str:
+    """The rest of the next line ``process`` (a Popen with text stdout) prints that starts with
+    ``word``; an AssertionError with all it printed if it ends first. Every line it read is kept
+    in ``process.printed``."""
+    if not hasattr(process, "printed"):
+        process.printed = []
+    for line in process.stdout:
+        process.printed.append(line)
+        if line.startswith(word + " ") or line.rstrip() == word:
+            return line[len(word) :].strip()
+    raise AssertionError(f"the process ended without saying {word!r}:\n{''.join(process.printed)[-4000:]}")
+
+
+def said_all(process, words: list[str]) -> None:
+    """Wait until ``process`` has said each of ``words`` (`said`), in any order."""
+    if not hasattr(process, "printed"):
+        process.printed = []
+    left = set(words)
+    for line in process.stdout:
+        process.printed.append(line)
+        left = {w for w in left if not line.startswith(w)}
+        if not left:
+            return
+    raise AssertionError(f"the process ended without saying {left}:\n{''.join(process.printed)[-4000:]}")
+
+
+def tell(process, line: str = "go") -> None:
+    """Write ``line`` to ``process``'s stdin."""
+    process.stdin.write(line + "\n")
+    process.stdin.flush()
+
+
+def detached_driver(env: dict, phase: str, out=None):
+    """tests/detached.py in a process of its own, at ``phase``, on the cluster ``env`` names."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    return subprocess.Popen([sys.executable, str(here / "detached.py"), phase], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**env, "PYTHONPATH": str(here), "NAME": "outlives", "OUT": str(out or "")})  # fmt: skip
+
+
+def detached_story(env: dict, tmp_path) -> None:
+    """A detached model's driver SIGKILLed after 5 steps; a new process attaches: the same rank processes,
+    in train mode at step 5 with the schedule's value; 5 more steps: the 10 of one process. While it
+    holds the model, another is refused (naming it) and an unknown name lists the models; a third takes
+    it over: the holder's next call is refused and its shutdown leaves the ranks; the third's shutdown
+    ends them. ``env``: the drivers' environment (``RAY_ADDRESS`` names the cluster, or ``ray://``)."""
+    from models import Reference, assert_close, batches
+
+    start = detached_driver(env, "start")
+    before = json.loads(said(start, "losses"))
+    pids = json.loads(said(start, "ranks"))
+    start.kill()
+    start.wait()
+
+    holder = detached_driver(env, "attach", tmp_path / "after.npz")
+    stands = json.loads(said(holder, "stands"))
+    assert stands == {"mode": "train", "workers": 2, "step": 5, "lr": 0.025, "ranks": pids}, stands
+    said(holder, "holding")
+    ref = Reference(scheduled_sgd("step"))
+    expected = []
+    for x, y in batches(11)[:10]:
+        expected.append(ref.train(x, y))
+        ref.opt._learning_rate.step()
+    after = np.load(tmp_path / "after.npz")
+    assert_close(before + list(after["losses"]), expected, what="losses")
+    for name, value in ref.params().items():
+        assert_close(after[name], value, what=name)
+
+    probe = detached_driver(env, "probe")
+    assert f"is held by the driver with pid {holder.pid} " in said(probe, "held")
+    assert "there are: 'outlives'" in said(probe, "lookup")
+    assert probe.wait(timeout=120) == 0
+
+    taker = detached_driver(env, "take")
+    assert said(taker, "took") == "10"
+    tell(holder)
+    assert f"taken over by the driver with pid {taker.pid} " in said(holder, "refused")
+    said(holder, "let go")
+    assert holder.wait(timeout=120) == 0
+    assert all(alive(p) for p in pids)  # the holder's shutdown let go of them: the taker's step runs on them
+    tell(taker)
+    assert said(taker, "ended") == "[]"
+    assert taker.wait(timeout=120) == 0
+    wait_gone(pids)
+
+
+def seen_env(out: str, ranks: int = 2) -> list[dict]:
+    """What each rank of a launch of tests/shows_env.py saw (``out``: the launch's output)."""
+    seen = [json.loads(line.split(" env ", 1)[1]) for r in range(ranks) for line in out.splitlines()
+            if line.startswith(f"[rank {r}] env ")]  # fmt: skip
+    assert len(seen) == ranks, out
+    return seen

@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from helpers import alive, wait_gone
+from clusters import stop_ray_start
+from helpers import detached_story, seen_env, wait_gone
 from raydist.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,16 +61,7 @@ def head(tmp_path_factory):
             time.sleep(1)
         yield url, token, {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}  # the CLI and clients are given the url
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        try:  # anything of this head's session that outlived it
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_ray_start(process)
         log.close()
         shutil.rmtree(short, ignore_errors=True)
 
@@ -102,6 +93,20 @@ def test_ray_job_submit_cli(head):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "succeeded" in done.stdout.lower()
     _check_quickstart_output(done.stdout)
+
+
+def test_raydist_launch_inside_a_job_gives_its_ranks_the_entrypoints_environment(head):
+    """``ray job submit -- FOO=bar raydist launch ...``: the job's driver runs on the head, its ranks start
+    from the raylets, and every rank sees FOO."""
+    url, _, env = head
+    done = subprocess.run(
+        [*RAY, "job", "submit", "--address", url, "--working-dir", str(TESTS), "--",
+         f"FOO=bar {sys.executable} -m raydist launch -n 2 shows_env.py"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for rank, seen in enumerate(seen_env(done.stdout)):
+        assert seen["FOO"] == "bar" and seen["PADDLE_TRAINER_ID"] == str(rank), seen
 
 
 def test_job_submission_client(head):
@@ -214,68 +219,6 @@ def test_a_stopped_job_submitted_again_ends_as_an_undisturbed_run(head, calm, tm
 # -- a detached model: tests/detached.py, killed, attached from new processes ----------------------
 
 
-def _detached(env: dict, phase: str, out: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(TESTS / "detached.py"), phase], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**env, "PYTHONPATH": str(TESTS), "NAME": "outlives", "OUT": str(out or "")})  # fmt: skip
-
-
-def _said(process: subprocess.Popen, word: str) -> str:
-    """The rest of the first line the process prints that starts with ``word`` (all it printed, if it ends first)."""
-    seen = []
-    for line in process.stdout:
-        if line.startswith(word + " ") or line.rstrip() == word:
-            return line[len(word) :].strip()
-        seen.append(line)
-    raise AssertionError(f"the process ended without saying {word!r}:\n{''.join(seen)[-4000:]}")
-
-
 def test_a_detached_model_outlives_its_killed_driver_and_is_attached_held_taken_over_and_ended(head, tmp_path):
-    """A detached model's driver SIGKILLed after 5 steps; a new process attaches: the same rank processes, in
-    train mode at step 5 with the schedule's value; 5 more steps: the 10 of one process. While it holds the
-    model, another is refused (naming it) and an unknown name lists the models; a third takes it over: the
-    holder's next call is refused and its shutdown leaves the ranks; the third's shutdown ends them."""
-    import numpy as np
-
-    from helpers import scheduled_sgd
-    from models import Reference, assert_close, batches
-
-    env = head[2]
-    start = _detached(env, "start")
-    before = json.loads(_said(start, "losses"))
-    pids = json.loads(_said(start, "ranks"))
-    start.kill()
-    start.wait()
-
-    holder = _detached(env, "attach", tmp_path / "after.npz")
-    stands = json.loads(_said(holder, "stands"))
-    assert stands == {"mode": "train", "workers": 2, "step": 5, "lr": 0.025, "ranks": pids}, stands
-    _said(holder, "holding")
-    ref = Reference(scheduled_sgd("step"))
-    expected = []
-    for x, y in batches(11)[:10]:
-        expected.append(ref.train(x, y))
-        ref.opt._learning_rate.step()
-    after = np.load(tmp_path / "after.npz")
-    assert_close(before + list(after["losses"]), expected, what="losses")
-    for name, value in ref.params().items():
-        assert_close(after[name], value, what=name)
-
-    probe = _detached(env, "probe")
-    assert f"is held by the driver with pid {holder.pid} " in _said(probe, "held")
-    assert "there are: 'outlives'" in _said(probe, "lookup")
-    assert probe.wait(timeout=120) == 0
-
-    taker = _detached(env, "take")
-    assert _said(taker, "took") == "10"
-    holder.stdin.write("go\n")
-    holder.stdin.flush()
-    assert f"taken over by the driver with pid {taker.pid} " in _said(holder, "refused")
-    _said(holder, "let go")
-    assert holder.wait(timeout=120) == 0
-    assert all(alive(p) for p in pids)  # the holder's shutdown let go of them: the taker's step runs on them
-    taker.stdin.write("go\n")
-    taker.stdin.flush()
-    assert _said(taker, "ended") == "[]"
-    assert taker.wait(timeout=120) == 0
-    wait_gone(pids)
+    """`helpers.detached_story`, the drivers on the head's GCS address (with token authentication)."""
+    detached_story(head[2], tmp_path)

@@ -56,6 +56,24 @@ def test_a_script_runs_on_every_rank_with_paddles_environment(tmp_path):
     assert "Modified FLAGS" not in err  # Paddle's noise is quiet by default
 
 
+def test_every_rank_sees_the_launching_environment_set_after_the_local_ray_started(monkeypatch):
+    """The session's Ray started before these variables were set: the ranks have them from the launch, not
+    from the raylet; ``pass_env=False`` gives only ``env``."""
+    from pathlib import Path
+
+    from helpers import seen_env
+
+    script = Path(__file__).resolve().parent / "shows_env.py"
+    monkeypatch.setenv("FOO", "bar")
+    monkeypatch.setenv("VIRTUAL_ENV", "/launching/venv")
+    status, out, err = run(script)
+    assert status == 0, err
+    assert all(s["FOO"] == "bar" and s["VIRTUAL_ENV"] != "/launching/venv" for s in seen_env(out)), out
+    out = io.StringIO()
+    assert launch(str(script), [], 2, stdout=out, env={"BAZ": "qux"}, pass_env=False) == 0
+    assert [(s["FOO"], s["BAZ"]) for s in seen_env(out.getvalue())] == [(None, "qux"), (None, "qux")]
+
+
 def test_paddles_glog_lines_are_quiet_unless_asked_for(tmp_path):
     script = tmp_path / "spmd.py"
     script.write_text(SPMD)

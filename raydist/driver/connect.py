@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import socket
+from typing import Any
 
 import ray
 
@@ -29,7 +30,7 @@ def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        init(os.environ["RAY_ADDRESS"])
         return True
     recorded = _recorded_address()
     if recorded is not None:
@@ -65,17 +66,41 @@ def ray_started_here() -> bool:
     return ray.is_initialized() and _started == ray.get_runtime_context().get_session_name()
 
 
-def connect_to_cluster(why: str) -> None:
-    """Connect to the running Ray cluster (``RAY_ADDRESS``, or Ray's address file) unless connected;
-    a LookupError if there is none (a new local Ray would hold nothing to ``why``)."""
+def connect_to_cluster(why: str, address: str | None = None, **options: Any) -> None:
+    """Connect to the running Ray cluster unless connected: ``address`` (``host:port``, or
+    ``ray://host:port`` for Ray Client), else ``RAY_ADDRESS``, else the one Ray's address file
+    names (``ray start`` on this machine). A LookupError, at once, if there is none or it does
+    not answer (a new local Ray would hold nothing to ``why``). ``options``: more of ``ray.init``'s
+    arguments."""
     if ray.is_initialized():
         return
     recorded = _recorded_address()
-    if os.environ.get("RAY_ADDRESS") or (recorded is not None and _reachable(recorded)):
-        ray.init()
-        return
-    raise LookupError(f"no running Ray cluster to {why} (RAY_ADDRESS is not set, and no `ray start` cluster "
-                      "runs on this machine)")  # fmt: skip
+    address = address or os.environ.get("RAY_ADDRESS") or (recorded if recorded and _reachable(recorded) else None)
+    if not address:
+        raise LookupError(f"no running Ray cluster to {why} (no --address, RAY_ADDRESS is not set, and no "
+                          "`ray start` cluster runs on this machine)")  # fmt: skip
+    if address != "auto" and not _reachable(address.removeprefix("ray://")):
+        raise LookupError(f"no Ray cluster answers at {address} (to {why})")
+    init(address, **options)
+
+
+CLIENT_TRIES = 3
+
+
+def init(address: str, **options: Any) -> None:
+    """``ray.init(address, **options)``; through Ray Client, tried again when the client server's
+    process for this connection dies as it starts ("Starting Ray client server failed"): a Ray
+    defect (ray-project/ray#63202, its fork races gRPC's threads), seen here in 3 of about 40
+    connections."""
+    for attempt in range(CLIENT_TRIES if address.startswith("ray://") else 1):
+        try:
+            ray.init(address=address, **options)
+            return
+        except ConnectionAbortedError as e:
+            if attempt == CLIENT_TRIES - 1:
+                raise
+            log.warning("raydist: Ray Client's server failed to start for this connection (%s); trying again",
+                        str(e).strip().splitlines()[-1][:200])  # fmt: skip
 
 
 def _recorded_address() -> str | None:

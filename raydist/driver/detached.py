@@ -12,8 +12,12 @@ stand (their step, modes built, learning rate: `raydist.protocol.RankActor.reatt
 One driver at a time holds a model. The record keeps the holder (`Holder`) and
 hands the model over by compare-and-set; a holder counts as alive while its Ray
 job does (Ray marks a driver's job dead within a fraction of a second of the
-driver's death, so a kernel restart's new driver attaches at once). A driver that
-was taken over learns it within `HOLD_POLL_S` and says so to the record, which the
+driver's death, so a kernel restart's new driver attaches at once). A driver
+through Ray Client is a job of the client server, which outlives the client by
+Ray's reconnect grace period (30 s): such a holder also counts as gone once it
+has not looked in for `CLIENT_HOLD_S` (it looks every `HOLD_POLL_S`). The record
+decides, on the cluster, where the job table can be read. A driver that was
+taken over learns it within `HOLD_POLL_S` and says so to the record, which the
 new driver waits for (so two drivers never send steps at once): its next call
 raises `raydist.GroupShutdownError` naming the new holder, and its ``shutdown`` no
 longer stops the ranks.
@@ -32,8 +36,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from .actors import DETACHED_NAMESPACE, GroupConfig
+from .cluster_state import ended_jobs, through_client
 
 if TYPE_CHECKING:
     from .elastic import Sizes
@@ -45,6 +51,7 @@ log = logging.getLogger("raydist")
 
 RECORD_PREFIX = "raydist-model-"  # a detached model's record actor: RECORD_PREFIX + its name
 HOLD_POLL_S = 2.0  # how often a holding driver checks that it still holds its model
+CLIENT_HOLD_S = 5 * HOLD_POLL_S  # a Ray Client holder silent this long is gone
 
 
 class ModelHeldError(RuntimeError):
@@ -53,33 +60,24 @@ class ModelHeldError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Holder:
-    """The driver that holds a detached model: its Ray job, process and host."""
+    """The driver that holds a detached model: its Ray job, process and host; ``client``: it
+    reaches Ray through Ray Client."""
 
     job_id: str
     pid: int
     host: str
     since: float
+    client: bool = False
 
     @classmethod
     def here(cls) -> "Holder":
-        return cls(ray.get_runtime_context().get_job_id(), os.getpid(), socket.gethostname(), time.time())
+        return cls(ray.get_runtime_context().get_job_id(), os.getpid(), socket.gethostname(), time.time(),
+                   through_client())  # fmt: skip
 
     def __str__(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"the driver with pid {self.pid} on {self.host} (Ray job {self.job_id}, holding since {since})"
-
-    def alive(self) -> bool:
-        """Whether the holder's Ray job still runs."""
-        return self.job_id not in _dead_jobs()
-
-
-def _dead_jobs() -> set[str]:
-    """The ids of the Ray jobs that ended. Private Ray: 2.60's public job listings
-    (``ray.util.state.list_jobs``, the job submission client) answer through the
-    dashboard, which a cluster may run without; the GCS's job table is what they read."""
-    from ray._private.state import jobs
-
-    return {j["JobID"] for j in jobs() if j["IsDead"]}
+        how = ", through Ray Client" if self.client else ""
+        return f"the driver with pid {self.pid} on {self.host} (Ray job {self.job_id}{how}, holding since {since})"
 
 
 @dataclasses.dataclass
@@ -102,13 +100,16 @@ class Snapshot:
 
 class ModelRecord:
     """A detached model's record, as a Ray actor: the driver's `Snapshot` (pickled), the rank
-    actors, their placement group, and the holder. Its calls run one at a time, so `take` is atomic."""
+    actors, their placement group, and the holder. Its calls run one at a time, so `claim` is
+    atomic. It runs on the cluster, so it tells whether a holder lives (`live_holder`) for drivers
+    that cannot read the job table themselves (Ray Client)."""
 
     def __init__(self, holder: Holder):
         self._snapshot: bytes | None = None
         self._actors: list = []
         self._pg = None
         self._holder: Holder | None = holder
+        self._beats: dict[Holder, float] = {holder: time.monotonic()}  # a holder's last look, for Ray Client's
         self._let_go: set[Holder] = set()  # drivers that were taken over and stopped using the ranks
         self._rate: Any = None  # the learning rate's newest position (`LearningRate.position`)
 
@@ -118,17 +119,37 @@ class ModelRecord:
     def set_rate(self, position: Any) -> None:
         self._rate = position
 
-    def read(self) -> tuple[bytes | None, list, Any, Holder | None, Any]:
-        return self._snapshot, self._actors, self._pg, self._holder, self._rate
+    def read(self) -> tuple[bytes | None, list, Any, Any]:
+        return self._snapshot, self._actors, self._pg, self._rate
 
-    def holder(self) -> Holder | None:
+    def beat(self, holder: Holder) -> Holder | None:
+        """``holder`` looks in: who holds the model now."""
+        self._beats[holder] = time.monotonic()
         return self._holder
 
-    def take(self, holder: Holder, expected: Holder | None) -> Holder | None:
-        """Hold the model as ``holder`` if ``expected`` still does; who holds it now."""
-        if self._holder == expected:
-            self._holder = holder
-        return self._holder
+    def live_holder(self) -> Holder | None:
+        """The holder, if it is alive; else None."""
+        return self._holder if self._holder is not None and self.alive(self._holder) else None
+
+    def alive(self, holder: Holder) -> bool:
+        """Whether ``holder``'s Ray job runs (and, through Ray Client, it looked in lately)."""
+        if holder.job_id in ended_jobs():
+            return False
+        return not holder.client or self.silent_for(holder) < CLIENT_HOLD_S
+
+    def silent_for(self, holder: Holder) -> float:
+        """Seconds since ``holder`` last looked in."""
+        return time.monotonic() - self._beats.get(holder, 0.0)
+
+    def claim(self, holder: Holder, take_over: bool) -> tuple[Holder | None, Holder | None]:
+        """Hold the model as ``holder`` unless another live driver does (``take_over``: even then).
+        Who holds it now, and the live driver it was taken from (None: none)."""
+        live = self.live_holder()
+        if live is not None and live != holder and not take_over:
+            return live, live
+        self._holder = holder
+        self._beats[holder] = time.monotonic()
+        return holder, None if live == holder else live
 
     def release(self, holder: Holder) -> None:
         if self._holder == holder:
@@ -139,7 +160,8 @@ class ModelRecord:
         self._let_go.add(holder)
 
     def has_let_go(self, holder: Holder) -> bool:
-        return holder in self._let_go
+        """Whether ``holder``, taken over, stopped using the ranks (or is gone)."""
+        return holder in self._let_go or not self.alive(holder)
 
 
 class Hold:
@@ -184,7 +206,7 @@ class Hold:
         def run() -> None:
             while not self._stopped.wait(HOLD_POLL_S):
                 try:
-                    now = ray.get(self.record.holder.remote(), timeout=30)
+                    now = ray.get(self.record.beat.remote(self.holder), timeout=30)
                 except ray.exceptions.RayActorError:
                     now = "ended"
                 except Exception:  # noqa: BLE001 - Ray is busy or shutting down: look again, or stop
@@ -242,8 +264,7 @@ def find(name: str) -> Any:
 
 def holder_of(record: Any) -> Holder | None:
     """Who holds the model now: a live driver, or None."""
-    holder = ray.get(record.holder.remote())
-    return holder if holder is not None and holder.alive() else None
+    return ray.get(record.live_holder.remote())
 
 
 def _held_by(record: Any) -> str:
@@ -259,27 +280,42 @@ def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
 
     connect_to_cluster(f"attach to the detached model {name!r}")
     record = find(name)
-    blob, actors, pg, holder, rate = ray.get(record.read.remote())
-    if blob is None:
+    if ray.get(record.read.remote())[0] is None:
         raise LookupError(f"the detached model {name!r} is still starting: attach once its to_static returned")
-    if holder is not None and holder.alive() and not take_over:
-        raise ModelHeldError(f"the detached model {name!r} is held by {holder}; attach(..., take_over=True) "
-                             "takes it over (that driver's next call then fails)")  # fmt: skip
     me = Holder.here()
-    now = ray.get(record.take.remote(me, holder))
+    now, before = ray.get(record.claim.remote(me, take_over))
+    if now != me and now.client and _wait_silent(record, name, now):  # a notebook's kernel restarted, say
+        now, before = ray.get(record.claim.remote(me, take_over))
     if now != me:
-        raise ModelHeldError(f"the detached model {name!r} was taken meanwhile by {now}")
-    if holder is not None and holder.alive():
-        _wait_let_go(record, holder)
-        log.warning("raydist: took the detached model %r over from %s", name, holder)
+        raise ModelHeldError(f"the detached model {name!r} is held by {now}; attach(..., take_over=True) "
+                             "takes it over (that driver's next call then fails)")  # fmt: skip
+    if before is not None:
+        _wait_let_go(record, before)
+        log.warning("raydist: took the detached model %r over from %s", name, before)
+    blob, actors, pg, rate = ray.get(record.read.remote())  # as the driver before left it
     snapshot = pickling.loads(blob)
     return DistModel._attached(Hold(name, record, me), snapshot, actors, pg, rate, loader)
+
+
+def _wait_silent(record: Any, name: str, holder: Holder) -> bool:
+    """A Ray Client holder that missed a look-in is likely gone (its job outlives it by Ray's reconnect
+    grace): wait until it counts as gone, or looks in again. Whether it is gone."""
+    silent = ray.get(record.silent_for.remote(holder))
+    if silent < 1.5 * HOLD_POLL_S:
+        return False
+    log.warning("raydist: the detached model %r is held by %s, which has been silent for %.0f s; waiting up to "
+                "%.0f s for it to count as gone", name, holder, silent, CLIENT_HOLD_S - silent)  # fmt: skip
+    while ray.get(record.live_holder.remote()) == holder:
+        if ray.get(record.silent_for.remote(holder)) < silent:  # it looked in: alive after all
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def _wait_let_go(record: Any, holder: Holder) -> None:
     """Wait until the driver taken over stops using the ranks (it looks every `HOLD_POLL_S`), or is gone."""
     deadline = time.monotonic() + 3 * HOLD_POLL_S + 5
-    while not ray.get(record.has_let_go.remote(holder)) and holder.alive():
+    while not ray.get(record.has_let_go.remote(holder)):
         if time.monotonic() > deadline:
             log.warning("raydist: %s did not let go of the model within %.0f s; going on", holder,
                         3 * HOLD_POLL_S + 5)  # fmt: skip
@@ -290,3 +326,42 @@ def _wait_let_go(record: Any, holder: Holder) -> None:
 @functools.cache
 def _record_class():
     return ray.remote(ModelRecord)
+
+
+def stop(name: str, force: bool = False) -> None:
+    """End the detached model ``name`` from anywhere (``raydist stop``): its ranks, spares,
+    placement group and record. A model a live driver holds is refused (`ModelHeldError`) unless
+    ``force``: that driver's next call then fails. A LookupError for an unknown name."""
+    record = find(name)
+    holder = holder_of(record)
+    if holder is not None and not force:
+        raise ModelHeldError(f"the detached model {name!r} is held by {holder}; --force ends it anyway (that "
+                             "driver's next call then fails)")  # fmt: skip
+    _, actors, pg, _ = ray.get(record.read.remote())
+    ray.kill(record, no_restart=True)  # first: a holder learns the model ended, and lets go of the ranks
+    kill_named(name, DETACHED_NAMESPACE, actors)
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - removed already
+            pass
+
+
+def kill_named(group: str, namespace: str | None, actors: list = ()) -> int:
+    """Kill ``actors`` and every actor named as a rank or spare of ``group`` (in ``namespace``; None:
+    any); how many."""
+    from .status import is_member_of
+
+    actors = list(actors)
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if is_member_of(entry["name"], group) and namespace in (None, entry["namespace"]):
+            try:
+                actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+            except ValueError:  # gone meanwhile
+                pass
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+    return len(actors)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from .placement import draining_nodes
+import ray
+
+from .cluster_state import Outage, draining_nodes
 
 DRAIN_POLL_S = 1.0
 
@@ -39,9 +41,11 @@ class Notice:
 
 class DrainWatch:
     """A thread that keeps `draining` ({node id: deadline in s, or None}) up to date; `notice`
-    tells about the draining nodes among a group's once each."""
+    tells about the draining nodes among a group's once each. ``read``: what reads Ray's draining
+    nodes ({node id: deadline in ms, 0 for none}); while it cannot, the watch says so once."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[], dict[str, int]] = draining_nodes) -> None:
+        self._read = read
         self.draining: dict[str, float | None] = {}
         self._told: set[str] = set()
         self._stopped = threading.Event()
@@ -49,11 +53,16 @@ class DrainWatch:
         self._thread.start()
 
     def _watch(self) -> None:
+        outage = Outage("preemption notices (Ray draining a node) are not acted on",
+                        "preemption notices are acted on")  # fmt: skip
         while not self._stopped.is_set():
             try:
-                self.draining = {node: (ms / 1000 if ms else None) for node, ms in draining_nodes().items()}
-            except Exception:  # noqa: BLE001 - Ray is shutting down, say: look again, or stop
-                pass
+                self.draining = {node: (ms / 1000 if ms else None) for node, ms in self._read().items()}
+                outage.read()
+            except Exception as e:  # noqa: BLE001 - said once; looked at again
+                if self._stopped.is_set() or not ray.is_initialized():  # Ray shuts down
+                    return
+                outage.failed(e)
             self._stopped.wait(DRAIN_POLL_S)
 
     def notice(self, nodes: Iterable[str]) -> Notice | None:

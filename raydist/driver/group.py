@@ -30,7 +30,8 @@ from ..errors import GroupShutdownError, RankError, RankFailed, UsageError
 from ..protocol import RankActor
 from .actors import GroupConfig, ping_all, start_actor
 from .failures import rank_error, refused, steps_failed
-from .placement import alive_nodes, draining_nodes, wait_placed
+from .cluster_state import draining_nodes
+from .placement import alive_nodes, wait_placed
 
 if TYPE_CHECKING:
     from .watch import Watch

@@ -32,7 +32,8 @@ from .client import RankClient
 from .elastic import Sizes, size_now
 from .actors import GroupConfig
 from .group import RankGroup
-from .detached import Hold, Snapshot
+from .detached import Hold, Holder, Snapshot
+from .cluster_state import Outage
 from .drains import DrainWatch, Notice
 from .placement import placeable_now
 from .recovery import Recovery
@@ -72,6 +73,7 @@ class Lifecycle:
         self.payload = payload
         self.dispatch = dispatch
         self.modes, self.rates, self.state = modes, rates, state
+        state.on_change = _weakly(self.publish)  # a new last checkpoint
         self.recovery = Recovery()
         self.spares = SparePool(config, spare_ranks)
         self.went_on_live = False  # whether the last restart went on from the survivors' state
@@ -83,6 +85,7 @@ class Lifecycle:
         self._stop_spares = weakref.finalize(self, _on_a_thread(self.spares.shutdown))
         self._finalizer: weakref.finalize | None = None
         self.hold: Hold | None = None  # this driver's hold on a detached model (`raydist.driver.detached`)
+        self.driver = Holder.here()  # this driver, as `raydist status` names it
         self.snapshot: Callable[[], Snapshot] | None = None  # what a detached model's record keeps of it
 
     # -- starting --------------------------------------------------------------------
@@ -134,8 +137,8 @@ class Lifecycle:
         self._watch_room()
         if self._drains is None:
             self._drains = DrainWatch()
+        self.publish()
         if self.hold is not None:
-            self.publish()
             self.hold.watch(_weakly(self._lost))
 
     def adopt(self, actors: list, pg: Any, meshes: list, mode: str, rate: Any = None) -> None:
@@ -173,9 +176,16 @@ class Lifecycle:
             self.state.load(path, self.modes.built("train"))
 
     def publish(self) -> None:
-        """Keep what a later driver needs of a detached model in its record (after each change)."""
-        if self.hold is not None and self.client is not None and self.client.alive:
-            group = self.client.group
+        """After each change: tell the ranks what ``raydist status`` shows of the model (its holder,
+        sizes, last checkpoint); keep what a later driver needs of a detached model in its record."""
+        if self.client is None or not self.client.alive:
+            return
+        group = self.client.group
+        card = {"kind": "model", "holder": str(self.hold.holder if self.hold is not None else self.driver),
+                "sizes": [self.sizes.min, self.sizes.max], "last_checkpoint": self.state.last_checkpoint}  # fmt: skip
+        for actor in group.actors:
+            actor.describe.remote(card)
+        if self.hold is not None:
             self.hold.publish(self.snapshot(), group.actors, group.placement_group)
 
     def _lost(self, why: str) -> None:
@@ -335,11 +345,15 @@ class RoomWatch:
         self._thread.start()
 
     def _watch(self) -> None:
+        outage = Outage(f"the model does not grow past {self._from} ranks", "the model grows when room shows")
         while not self._stopped.wait(ROOM_POLL_S) and self.size is None:
             try:
                 self.look()
-            except Exception:  # noqa: BLE001 - Ray is shutting down, say: look again, or stop
-                continue
+                outage.read()
+            except Exception as e:  # noqa: BLE001 - said once; looked at again
+                if self._stopped.is_set() or not ray.is_initialized():  # Ray shuts down
+                    return
+                outage.failed(e)
 
     def look(self) -> None:
         """Look now (from any thread): `size` is set once a larger size fits."""

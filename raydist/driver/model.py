@@ -189,7 +189,7 @@ class DistModel:
         """This driver holds the detached model: its record learns of every change a later driver needs."""
         life = self._life
         life.hold, life.snapshot = hold, self._snapshot
-        self._modes.on_change = self._state.on_change = life.publish
+        self._modes.on_change = self._state.on_change  # publishes (`Lifecycle`)
         rates = self._rates  # not self: a dropped model is not held in a cycle
         rates.on_change = lambda: hold.rate(rates.position())
 

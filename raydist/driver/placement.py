@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from .cluster_state import available_per_node, autoscaler_node_types, draining_nodes, max_resources_from_cluster_config
 
 log = logging.getLogger("raydist")
 
@@ -75,69 +76,24 @@ def _may_scale(bundle: dict[str, float], count: int) -> bool:
     yet, assume it may scale: waiting, bounded by placement_timeout_s, is safer
     than refusing a cluster that could grow.
     """
-    limits = _max_resources_from_cluster_config()
+    limits = max_resources_from_cluster_config()
     if limits:
         return all(limits.get(k, 0) >= v * count for k, v in bundle.items())
-    types = _autoscaler_node_types()
+    types = autoscaler_node_types()
     if types is None:
         return True
     return not types or any(kind != f"node_{node}" for node, kind in types.items())
-
-
-def _max_resources_from_cluster_config() -> dict[str, float] | None:
-    """The largest totals the autoscaler's cluster config allows, if one was published.
-
-    Private Ray: no public API in Ray 2.60 (Ray Train makes this same call)."""
-    from ray._private.state import state
-
-    return state.get_max_resources_from_cluster_config()
-
-
-def _autoscaler_node_types() -> dict[str, str] | None:
-    """The autoscaler's last status report's node types ({node id: type}); None if there is no report.
-
-    Private Ray: no public API in Ray 2.60 reads the autoscaler's status (``ray status`` reads this
-    same key from the GCS; ``ray.util.state`` needs the dashboard and has no autoscaler status)."""
-    from ray._private import ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    try:
-        status = json.loads(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS))
-        return status["autoscaler_report"]["node_type_mapping"]
-    except Exception:
-        return None
 
 
 def placeable_now(bundle: dict[str, float]) -> int:
     """How many more bundles the alive nodes could place now, from what they have free (a
     draining node takes nothing new)."""
     usable = alive_nodes() - set(draining_nodes())
-    return sum(_count(free, bundle) for node, free in _available_per_node().items() if node in usable)
+    return sum(_count(free, bundle) for node, free in available_per_node().items() if node in usable)
 
 
 def alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-
-
-def draining_nodes() -> dict[str, int]:
-    """The nodes Ray is draining: {node id (hex): deadline in ms since the epoch, 0 if none}.
-
-    Private Ray: Ray 2.60 has no public API for it; Ray Train's preemption watcher
-    (train/v2/_internal/execution/preemption.py) makes this same call."""
-    from ray._private.state import state
-
-    return dict(state.get_draining_nodes())
-
-
-def _available_per_node() -> dict[str, dict[str, float]]:
-    """What each node has free now: {node id (hex): {resource: amount}}.
-
-    Private Ray: Ray 2.60's public APIs give free resources for the whole cluster only
-    (``ray.available_resources()``), and each node's totals (``ray.nodes()``,
-    ``ray.util.state.list_nodes``, which also needs the dashboard), not each node's free share."""
-    from ray._private.state import available_resources_per_node
-
-    return available_resources_per_node()
 
 
 def _count(have: dict[str, float], bundle: dict[str, float]) -> int:

@@ -26,14 +26,15 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import ray
 
-from ..driver.connect import init_ray
 from ..driver.actors import GroupConfig
+from ..driver.connect import init_ray
+from ..driver.detached import Holder
 from ..driver.group import RankGroup
-from ..env import QUIET_GLOG_LEVEL
+from ..env import QUIET_GLOG_LEVEL, launching_env
 from ..integrations.spmd import END_FD
 from ..protocol import Member
 
@@ -41,15 +42,13 @@ log = logging.getLogger("raydist")
 
 
 class ScriptActor(Member):
-    """One rank of a launched script: it runs the script in a child process of its own."""
+    """One rank of a launched script: it runs the script in a child process of its own.
 
-    @ray.method(num_returns="streaming")
-    def run_script(self, env: dict[str, str], path: str, source: str, args: list[str],
-                   cwd: str) -> Iterator[tuple[str, object]]:  # fmt: skip
-        """Run an SPMD script as this rank, in a child process that dies with this actor.
-        Yields ("out" | "err", line) as the script prints, ("lingered", seconds) if its process
-        outlived the script's end by `LINGER_GRACE_S` and was killed, then ("exit", status): the
-        script's own."""
+    `start` starts it; `output` hands what it printed to the launcher, a batch per call. Not a
+    streaming generator: Ray Client (``raydist launch --address ray://...``) has none."""
+
+    def start(self, env: dict[str, str], path: str, source: str, args: list[str], cwd: str) -> None:
+        """Run an SPMD script as this rank, in a child process that dies with this actor."""
         if not (os.path.isfile(path) and open(path, encoding="utf-8").read() == source):
             path = os.path.join(tempfile.mkdtemp(prefix="raydist-launch-"), os.path.basename(path))
             with open(path, "w", encoding="utf-8") as f:  # another node: the driver's copy
@@ -62,6 +61,27 @@ class ScriptActor(Member):
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
         )  # fmt: skip
         os.close(ended_w)
+        self._items: queue.Queue = queue.Queue()
+        quiet = env.get("GLOG_minloglevel") == QUIET_GLOG_LEVEL
+        threading.Thread(target=self._follow, args=(child, ended_r, quiet), name="raydist-script",
+                         daemon=True).start()  # fmt: skip
+
+    def output(self, wait_s: float = 1.0) -> list[tuple[str, object]]:
+        """What the script did since the last call, waiting up to ``wait_s`` for something:
+        ("out" | "err", line) as it prints, ("lingered", seconds) if its process outlived the
+        script's end by `LINGER_GRACE_S` and was killed, then ("exit", status): the script's own."""
+        items = []
+        try:
+            items.append(self._items.get(timeout=wait_s))
+            while len(items) < OUTPUT_BATCH:
+                items.append(self._items.get_nowait())
+        except queue.Empty:
+            pass
+        if items:
+            self.answered = time.time()
+        return items
+
+    def _follow(self, child: subprocess.Popen, ended_r: int, quiet: bool) -> None:
         lines: queue.Queue = queue.Queue()
         ended: list = []  # [(status, when)] once the script has ended
 
@@ -79,7 +99,6 @@ class ScriptActor(Member):
         for stream, kind in ((child.stdout, "out"), (child.stderr, "err")):
             threading.Thread(target=pump, args=(stream, kind), daemon=True).start()
         threading.Thread(target=wait_for_end, daemon=True).start()
-        quiet = env.get("GLOG_minloglevel") == QUIET_GLOG_LEVEL
         open_streams, in_flags_dump, lingered = 2, False, None
         while open_streams:
             try:
@@ -100,11 +119,14 @@ class ScriptActor(Member):
                 if in_flags_dump:
                     in_flags_dump = not item[1].startswith("=====")
                     continue
-            yield item
+            self._items.put(item)
         code = child.wait()
         if lingered is not None:
-            yield ("lingered", round(lingered, 1))
-        yield ("exit", ended[0][0] if ended else code)
+            self._items.put(("lingered", round(lingered, 1)))
+        self._items.put(("exit", ended[0][0] if ended else code))
+
+
+OUTPUT_BATCH = 1000  # lines a call of `ScriptActor.output` hands over at most
 
 
 # How long a script's process may outlive the script (Paddle's and gloo's teardown) before it is killed.
@@ -145,46 +167,54 @@ def launch(
     stdout=None,
     stderr=None,
     env: dict[str, str] | None = None,
+    pass_env: bool = True,
 ) -> int:
     """Run ``script`` on ``num_workers`` ranks; returns its exit status (0 when every rank succeeded).
 
-    Connects to the Ray that is initialised, or starts a local one. ``env``: more environment
-    variables for every rank's script.
+    Connects to the Ray that is initialised, or starts a local one. Every rank's script sees this
+    process's environment, as under ``paddle.distributed.launch``, but for the variables that
+    describe this machine (`raydist.env.MACHINE_VARIABLES`); ``pass_env=False``: none of it.
+    ``env``: more variables for every rank. Paddle's rank variables (``PADDLE_TRAINER_ID``, the
+    endpoints...) win over both.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     with open(script, encoding="utf-8") as f:
         source = f.read()
+    given = {**(launching_env(os.environ) if pass_env else {}), **(env or {})}
     started = init_ray(num_workers, None, use_gpu)
     group = RankGroup(GroupConfig(num_workers, use_gpu, name=name or "raydist-launch", paddle_logs=paddle_logs,
                                   actor_class=ScriptActor))  # fmt: skip
     lock, codes, failed = threading.Lock(), [None] * num_workers, threading.Event()
     lingered: dict[int, float] = {}  # rank -> seconds its process outlived its script, then killed
 
-    def follow(rank: int, stream) -> None:
+    def follow(rank: int, actor) -> None:
         try:
-            for ref in stream:
-                kind, value = ray.get(ref)
-                if kind == "exit":
-                    codes[rank] = value
-                elif kind == "lingered":
-                    lingered[rank] = value
-                else:
-                    with lock:
-                        print(f"[rank {rank}] {value}", file=stdout if kind == "out" else stderr, flush=True)
+            while codes[rank] is None:
+                for kind, value in ray.get(actor.output.remote()):
+                    if kind == "exit":
+                        codes[rank] = value
+                    elif kind == "lingered":
+                        lingered[rank] = value
+                    else:
+                        with lock:
+                            print(f"[rank {rank}] {value}", file=stdout if kind == "out" else stderr, flush=True)
         except ray.exceptions.RayActorError as e:
             if codes[rank] is None and not failed.is_set():
                 codes[rank] = f"process died: {str(e).strip().splitlines()[0] if str(e).strip() else 'killed'}"
         except Exception as e:  # a bug of ours must not hang the launcher
-            codes[rank] = f"{type(e).__name__}: {e}"
+            if codes[rank] is None:
+                codes[rank] = f"{type(e).__name__}: {e}"
         if codes[rank] != 0:
             failed.set()
 
     cwd = os.getcwd()
     # Paddle's launcher also names the pod; DistModel then joins the group via fleet.init
     pod = {"POD_NAME": uuid.uuid4().hex[:6]}
-    streams = [a.run_script.remote({**rank_env, **pod, **(env or {})}, os.path.abspath(script), source, list(args),
-                                   cwd) for a, rank_env in zip(group.actors, group.envs)]  # fmt: skip
-    threads = [threading.Thread(target=follow, args=(r, s), daemon=True) for r, s in enumerate(streams)]
+    card = {"kind": "script", "script": os.path.basename(script), "holder": str(Holder.here())}
+    for actor, rank_env in zip(group.actors, group.envs):
+        actor.describe.remote(card)
+        actor.start.remote({**given, **rank_env, **pod}, os.path.abspath(script), source, list(args), cwd)
+    threads = [threading.Thread(target=follow, args=(r, a), daemon=True) for r, a in enumerate(group.actors)]
     for t in threads:
         t.start()
     try:
@@ -225,10 +255,18 @@ DESCRIPTION = ("Run an unmodified SPMD Paddle script (as for python -m paddle.di
                "with one rank per Ray actor.")
 
 
-def _launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``raydist launch``'s arguments, added to ``parser``."""
     parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     parser.add_argument("--gpus", action="store_true", help="one GPU per rank, NCCL (default: CPU, gloo)")
-    parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("--address", help="Ray cluster address, ray:// for Ray Client (default: RAY_ADDRESS, "
+                                          "else the cluster `ray start` runs here, else a local Ray)")  # fmt: skip
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more environment variable for every rank (repeatable)")  # fmt: skip
+    parser.add_argument("--no-env", action="store_true",
+                        help="give the ranks none of this shell's environment (by default they get all of it but "
+                             "the variables that describe this machine: its paths, user, shell, virtualenv, "
+                             "devices, Ray's own)")  # fmt: skip
     parser.add_argument("--paddle-logs", action="store_true", help="keep Paddle's INFO logs (glog) in the ranks")
     parser.add_argument("--name", help="prefix of the rank actors' names (default raydist-launch)")
     parser.add_argument("script", help="the SPMD script, run as python script.py on every rank")
@@ -236,17 +274,30 @@ def _launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def _launch_command(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def command(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``raydist launch`` as ``opts`` say; its exit status."""
+    from ..driver.connect import connect_to_cluster
+
     if opts.nproc < 1:
         parser.error("-n must be at least 1")
     if not os.path.isfile(opts.script):
         parser.error(f"no such script: {opts.script}")
-    logging.basicConfig(level=logging.WARNING, format="raydist: %(message)s")
+    env = {}
+    for pair in opts.env:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            parser.error(f"--env takes KEY=VALUE, got {pair!r}")
+        env[key] = value
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if opts.address:
-        ray.init(address=opts.address)
+        try:
+            connect_to_cluster(f"launch {opts.script} on", opts.address)
+        except LookupError as e:
+            print(f"raydist launch: {e}", file=sys.stderr)
+            return 1
     try:
         return launch(opts.script, opts.args, opts.nproc, use_gpu=opts.gpus, paddle_logs=opts.paddle_logs,
-                      name=opts.name)  # fmt: skip
+                      name=opts.name, env=env, pass_env=not opts.no_env)  # fmt: skip
     finally:
         if opts.address:
             ray.shutdown()
@@ -254,17 +305,8 @@ def _launch_command(opts: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``raydist launch``'s arguments, without the ``launch`` (``python -m raydist.launch ...``)."""
-    parser = _launch_arguments(argparse.ArgumentParser(prog="raydist launch", description=DESCRIPTION))
-    return _launch_command(parser.parse_args(argv), parser)
-
-
-def cli(argv: Sequence[str] | None = None) -> None:
-    """The ``raydist`` console script (and ``python -m raydist``): ``raydist launch ...``."""
-    parser = argparse.ArgumentParser(prog="raydist", description="raydist's commands.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    launch_parser = _launch_arguments(commands.add_parser("launch", help=DESCRIPTION, description=DESCRIPTION))
-    opts = parser.parse_args(argv)
-    raise SystemExit(_launch_command(opts, launch_parser))
+    parser = arguments(argparse.ArgumentParser(prog="raydist launch", description=DESCRIPTION))
+    return command(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":
