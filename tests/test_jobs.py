@@ -101,7 +101,7 @@ def test_raydist_launch_inside_a_job_gives_its_ranks_the_entrypoints_environment
     url, _, env = head
     done = subprocess.run(
         [*RAY, "job", "submit", "--address", url, "--working-dir", str(TESTS), "--",
-         f"FOO=bar {sys.executable} -m raydist launch -n 2 shows_env.py"],
+         "FOO=bar", sys.executable, "-m", "raydist", "launch", "-n", "2", "shows_env.py"],  # one shell line
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -968,12 +968,14 @@ def test_a_drain_watch_that_cannot_read_the_cluster_says_so_once_and_once_that_i
     monkeypatch.setattr(drains, "DRAIN_POLL_S", 0.01)
     answers = iter([RuntimeError("Ray has not been started yet")] * 5 + [{"n1": 0}] * 5 +
                    [RuntimeError("GCS unavailable")] * 5)  # fmt: skip
-    done = threading.Event()
+    done, after = threading.Event(), []
 
     def read():
         answer = next(answers, None)
-        if answer is None:
-            done.set()
+        if answer is None:  # the second read past the script: the first one's answer is told
+            after.append(1)
+            if len(after) == 2:
+                done.set()
             return {"n1": 0}
         if isinstance(answer, Exception):
             raise answer
