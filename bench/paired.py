@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from bench.run import machine_cpu
+from raydist.worker.steplog import RECORD_ENV
 from bench.small import EVERY, rotated
 
 
@@ -168,6 +169,7 @@ class RayFloor:
 FLOOR = "Ray: an actor call to each of 2 actors that do nothing"
 FLOOR_HELD = "Ray: an actor call to each of 2 actors that sleep for a native step ({ms:.2f} ms) and return"
 POOL = "raydist, loss read every step, ops on Paddle's pool of threads (FLAGS_new_executor_serial_run=0)"
+UNRECORDED = "raydist, loss read never, no step record and no metrics (RAYDIST_RECORD=0)"
 
 
 def chunk_steps(seconds: float, step: float, every: list[int]) -> int:
@@ -176,7 +178,8 @@ def chunk_steps(seconds: float, step: float, every: list[int]) -> int:
     return max(unit, int(round(seconds / step / unit)) * unit)
 
 
-def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list[str]) -> list[str]:
+def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list[str],
+                record_off: bool = False) -> list[str]:  # fmt: skip
     ideal = Native(name, warmup, "ideal")
     opened = [ideal]
     try:
@@ -196,6 +199,10 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
                    "native, batches held in memory, a different one each step": lambda: held.chunk(steps)}  # fmt: skip
         for read in reads:
             runners[f"raydist, loss read {read}"] = lambda every=EVERY[read]: ours.chunk(steps, every)
+        if record_off:  # what the step record and the metrics cost (raydist.worker.steplog)
+            unrecorded = Raydist(name, warmup, (rounds + 1) * steps, {RECORD_ENV: "0"})
+            opened.append(unrecorded)
+            runners[UNRECORDED] = lambda: unrecorded.chunk(steps, 0)
         if "every step" in reads:  # what running a program's ops on the step's thread saves (raydist.env)
             pool = Raydist(name, warmup, (rounds + 1) * steps, {"FLAGS_new_executor_serial_run": "0"})
             opened.append(pool)
@@ -232,8 +239,9 @@ def table_rows(name: str, chunks: dict[str, list[dict]]) -> list[str]:
     return rows
 
 
-def paired_table(names: list[str], rounds: int, seconds: float, warmup: int, reads: list[str]) -> str:
-    rows = [row for name in names for row in paired_rows(name, rounds, seconds, warmup, reads)]
+def paired_table(names: list[str], rounds: int, seconds: float, warmup: int, reads: list[str],
+                 record_off: bool = False) -> str:  # fmt: skip
+    rows = [row for name in names for row in paired_rows(name, rounds, seconds, warmup, reads, record_off)]
     header = ("| model | runner | step (ms) | x native ideal, same round | rounds' range | x native DataLoader "
               "| rank CPU per step (ms) | x native ideal's rank CPU | stolen per step (ms) |")  # fmt: skip
     return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rows])

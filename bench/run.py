@@ -11,7 +11,7 @@
     python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
     python -m bench attach [--models gpt-mp2] [--steps 12] [--before 6] [--repeat 3]
     python -m bench small [--models mlp-mp2,wide-mp2] [--steps 300] [--repeat 3] [--compiled]
-    python -m bench paired [--models mlp-mp2,wide-mp2] [--rounds 10] [--seconds 1]
+    python -m bench paired [--models mlp-mp2,wide-mp2] [--rounds 10] [--seconds 1] [--record-off]
     python -m bench profile [--models mlp-mp2] [--seconds 20] [--every 0]
     python -m bench COMMAND --help      (each command's options and defaults; --no-write: no BENCHMARKS.md entry)
 
@@ -308,7 +308,7 @@ def models_table(args) -> str:
 
 
 COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "attach", "saves", "small",
-            "paired", "profile")
+            "paired", "profile", "timeline")
 
 
 def _names(known: list[str]) -> Callable[[str], str]:
@@ -412,10 +412,19 @@ def parser() -> argparse.ArgumentParser:
     small_options(sub)
     sub.add_argument("--rounds", type=int, default=10, help="rounds, each runner one chunk per round (medians)")
     sub.add_argument("--seconds", type=float, default=1.0, help="about how long native's chunk of steps takes")
+    sub.add_argument("--record-off", action="store_true",
+                     help="also a raydist model whose ranks keep no step record and export no metrics")  # fmt: skip
     sub = command("profile", "where rank 0's time goes in a loop of small steps, next to native (bench/profile.py)")
     sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
     sub.add_argument("--seconds", type=int, default=20, help="how long py-spy samples each loop")
     sub.add_argument("--every", type=int, default=0, help="read a loss every this many steps (0: never)")
+    sub = command("timeline", "a run's timeline drawn, a slow rank in it (bench/timeline.py)")
+    sub.add_argument("--models", default="gpt-dp2xmp2", help="one model")
+    sub.add_argument("--steps", type=int, default=30, help="steps on the picture")
+    sub.add_argument("--warmup", type=int, default=40, help="steps before them")
+    sub.add_argument("--slow-rank", type=int, default=1, help="the rank slowed (-1: none)")
+    sub.add_argument("--slow-ms", type=float, default=20.0, help="how much slower each of its steps is")
+    sub.add_argument("--out", default="docs/timeline.png", help="the picture (its trace beside it, .json)")
     sub = command("startup", "where a model's start goes (bench/startup.py)")
     sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
     sub.add_argument("--repeat", type=int, default=2, help="models started one after another")
@@ -483,11 +492,16 @@ def main(argv=None) -> None:
             from bench.paired import paired_table
 
             table = paired_table(args.models.split(","), args.rounds, args.seconds, args.warmup,
-                                 args.reads.split(","))  # fmt: skip
+                                 args.reads.split(","), args.record_off)  # fmt: skip
         elif args.what == "profile":
             from bench.profile import profile_table
 
             table = profile_table(args.models.split(","), args.seconds, args.every)
+        elif args.what == "timeline":
+            from bench.timeline import timeline_table
+
+            table = timeline_table(args.models, args.steps, args.warmup, None if args.slow_rank < 0 else args.slow_rank,
+                                   args.slow_ms, args.out)  # fmt: skip
         elif args.what == "pipeline":
             from bench.pipeline import pipeline_table
 

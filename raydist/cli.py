@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from .integrations import launch as launching
@@ -124,6 +125,12 @@ def stop_command(opts: argparse.Namespace) -> int:
     return 0
 
 
+def describe(event: dict) -> str:
+    """An event (`raydist.driver.events`) in a few words."""
+    shown = {k: v for k, v in event.items() if k not in ("kind", "time", "model") and v is not None}
+    return f"{event['kind']} " + ", ".join(f"{k} {v}" for k, v in shown.items())
+
+
 def format_models(found: list) -> str:
     """``raydist status``'s table: a block per model, a line per rank."""
     from .driver.status import ago
@@ -150,5 +157,6 @@ def format_models(found: list) -> str:
         rows += [(str(rank), "-", "-", "-", "-", "-", "-", "no answer") for rank in m.missing]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-        blocks.append("\n".join([head, "  " + ", ".join(facts), *table]))
+        said = [f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {describe(e)}" for e in m.events]
+        blocks.append("\n".join([head, "  " + ", ".join(facts), *table, *(["  last events:", *said] if said else [])]))
     return "\n\n".join(blocks)

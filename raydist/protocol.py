@@ -157,6 +157,12 @@ class RankActor(Member):
         self.data_timeout = data_timeout
         self.data = DataService(self.device, data_timeout)
         self.model = ModelService(self.rank, self.world_size, self.device)
+        from .worker.steplog import RECORD_ENV, Exporter, Unrecorded
+
+        if os.environ.get(RECORD_ENV, "1") == "0":  # for measuring what the record costs (bench paired)
+            self.model.log = Unrecorded()
+        else:
+            Exporter(self.model.log, group or "", self.rank)
         return fixes
 
     @reports_rank
@@ -272,6 +278,17 @@ class RankActor(Member):
         return self.model.live_state(wait_s) if self.model is not None else None
 
     # -- observing -------------------------------------------------------------------
+
+    @ray.method(concurrency_group=ASIDE)
+    def clock(self) -> int:
+        """This rank's ``time.monotonic_ns`` now (the driver aligns the ranks' clocks to its own)."""
+        return time.monotonic_ns()
+
+    @ray.method(concurrency_group=ASIDE)
+    def steps(self, last: int | None = None) -> dict[str, Any] | None:
+        """The last ``last`` steps this rank ran (all it keeps: None) and the collectives in them
+        (`raydist.worker.steplog.StepLog.recent`); None before it joined."""
+        return self.model.log.recent(last) if self.model is not None else None
 
     @ray.method(concurrency_group=ASIDE)
     def status(self) -> dict[str, Any]:

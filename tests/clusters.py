@@ -159,8 +159,8 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 class RayHead:
     """A ``ray start --head --block`` on this machine, as an operator starts one: its GCS at
-    `address`, a Ray Client server at `client` (``ray://``), no dashboard, ``num_cpus`` CPUs and no
-    "rank" resource. `add_node` joins worker nodes (``ray start --address``) that have one, so a
+    `address`, a Ray Client server at `client` (``ray://``), a Prometheus endpoint (`metrics`), no
+    dashboard, ``num_cpus`` CPUs and no "rank" resource. `add_node` joins worker nodes (``ray start --address``) that have one, so a
     model asking ``{"rank": 1}`` per rank runs there only, and `remove_node` takes one away. Every
     process is stopped by the PID it was started with (``ray start --block`` stops its raylet and
     workers when it gets SIGTERM), never by name."""
@@ -168,6 +168,7 @@ class RayHead:
     def __init__(self, num_cpus: int = 4):
         self.temp = tempfile.mkdtemp(prefix="rdc", dir="/tmp")  # Ray's socket paths must stay short
         self.port, self.client_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+        self.metrics_port = free_port("127.0.0.1")  # the head's Prometheus endpoint: `metrics`
         self.num_cpus = num_cpus
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
                     "PYTHONPATH": str(TESTS)}  # fmt: skip
@@ -193,6 +194,7 @@ class RayHead:
     def __enter__(self) -> "RayHead":
         self._head = self._start(["--head", f"--port={self.port}", f"--ray-client-server-port={self.client_port}",
                                   f"--num-cpus={self.num_cpus}", f"--temp-dir={self.temp}",
+                                  f"--metrics-export-port={self.metrics_port}",
                                   "--include-dashboard=false", "--disable-usage-stats"], "head.log")  # fmt: skip
         try:
             wait_until(lambda: self._answers(self.client_port), 120, "the head's Ray Client server did not come up")
@@ -245,6 +247,13 @@ class RayHead:
     def remove_node(self, name: str) -> None:
         """Take node ``name`` away (its raylet and every process on it), as a cloud ends a machine."""
         stop_ray_start(self._nodes.pop(name))
+
+    def metrics(self) -> str:
+        """What the head's metrics agent serves to Prometheus now (its text format)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as answer:
+            return answer.read().decode()
 
     def remove_nodes(self) -> None:
         """Take every worker node away."""

@@ -48,7 +48,8 @@ elif PHASE == "attach":
     dm = raydist.attach(NAME)
     say("stands", json.dumps({"mode": dm.mode, "workers": dm.num_workers, "step": dm._client.window.submitted,
                               "lr": dm.lr_scheduler.last_lr,
-                              "ranks": sorted(s.pid for s in raydist.status() if s.group == NAME)}))  # fmt: skip
+                              "ranks": sorted(s.pid for s in raydist.status() if s.group == NAME),
+                              "events": [e["kind"] for e in dm.events()]}))  # fmt: skip
     losses = steps(dm, range(5, 10))
     np.savez(os.environ["OUT"], losses=np.array(losses), **dm.state_dict("param"))
     say("holding")
@@ -72,6 +73,7 @@ elif PHASE == "probe":
 elif PHASE == "take":
     dm = raydist.attach(NAME, take_over=True)
     say("took", dm._client.window.submitted)
+    say("events", json.dumps(dm.events()))
     sys.stdin.readline()
     dm(*DATA[10])
     dm.shutdown()

@@ -155,3 +155,29 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def slow_steps_on_rank_1():
+    """On rank 1, every step sleeps $RAYDIST_TEST_SLOW_S (default 0.03 s) before it runs: a slow rank,
+    whose peers wait for it in their collectives. Its model's step is wrapped once it is set up (no
+    Paddle import here)."""
+    import time
+
+    from raydist.protocol import RankActor
+
+    setup = RankActor.setup
+
+    def setup_then_slow(self, *args, **kwargs):
+        fixes = setup(self, *args, **kwargs)
+        if self.rank == 1:
+            step = self.model.step
+
+            def slow_step(message, staged):
+                time.sleep(float(os.environ.get("RAYDIST_TEST_SLOW_S", "0.03")))
+                return step(message, staged)
+
+            self.model.step = slow_step
+        return fixes
+
+    setup_then_slow.__dict__.update(setup.__dict__)
+    RankActor.setup = setup_then_slow

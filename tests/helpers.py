@@ -178,7 +178,8 @@ def detached_story(env: dict, tmp_path) -> None:
 
     holder = detached_driver(env, "attach", tmp_path / "after.npz")
     stands = json.loads(said(holder, "stands"))
-    assert stands == {"mode": "train", "workers": 2, "step": 5, "lr": 0.025, "ranks": pids}, stands
+    assert stands == {"mode": "train", "workers": 2, "step": 5, "lr": 0.025, "ranks": pids, "events": ["attach"]}, \
+        stands  # fmt: skip
     said(holder, "holding")
     ref = Reference(scheduled_sgd("step"))
     expected = []
@@ -197,6 +198,9 @@ def detached_story(env: dict, tmp_path) -> None:
 
     taker = detached_driver(env, "take")
     assert said(taker, "took") == "10"
+    (took,) = json.loads(said(taker, "events"))
+    assert took["kind"] == "take_over" and took["step"] == 10 and took["model"] == "outlives", took
+    assert f"pid {holder.pid} " in took["from"] and f"pid {taker.pid} " in took["holder"], took
     tell(holder)
     assert f"taken over by the driver with pid {taker.pid} " in said(holder, "refused")
     said(holder, "let go")

@@ -79,6 +79,7 @@ ELASTIC = """
 
     losses = dm.fit(loader, epochs=2, progress=False, callbacks=[Story()])  # max_failures=0: no failure is allowed
     say("sizes", json.dumps(sizes))
+    say("events", json.dumps([{k: e[k] for k in ("kind", "why", "action", "deadline") if k in e} for e in dm.events()]))
     assert dm._client.window.submitted == 16  # no step ran twice
     assert_fit_like_one_process(losses, dm.state_dict("param"), rows, 8, 2, 2, adamw(), shuffle=True, seed=3)
     dm.shutdown()
@@ -110,6 +111,7 @@ def test_an_elastic_fit_through_ray_client_grows_into_a_joining_node_and_moves_o
         ray_head.remove_node("first")  # what the cloud does at the deadline
         tell(driver, "removed")
         sizes = json.loads(said(driver, "sizes"))
+        events = json.loads(said(driver, "events"))
         said(driver, "like one process")
         assert driver.wait(timeout=120) == 0
     finally:
@@ -121,6 +123,9 @@ def test_an_elastic_fit_through_ray_client_grows_into_a_joining_node_and_moves_o
     grew, moved = sizes.index(4), len(sizes) - sizes[::-1].index(4)
     assert sizes == [2] * grew + [4] * (moved - grew) + [2] * (16 - moved) and grew >= 2, sizes
     assert "preemption notice" in printed and "cannot read the cluster's state" not in printed
+    drain = next(e for e in events if e["kind"] == "drain")
+    assert drain["action"] == "move" and drain["deadline"] is not None, events
+    assert [(e["kind"], e.get("why")) for e in events if e["kind"] != "drain"] == [("resize", "grow"), ("resize", "drain")]
 
 
 def test_a_killed_client_drivers_run_resumes_through_ray_client_and_ends_as_one_process(ray_head, tmp_path):

@@ -75,6 +75,7 @@ def test_status_lists_a_held_detached_model_and_stop_ends_it_only_with_force(ray
     assert f"terminal-held  detached model, held by the driver with pid {holder.pid} " in text
     assert f"2 ranks, on 1 node, mode train, step 3, last checkpoint {checkpoint}" in text
     assert all(f"  {rank}     {pid}  " in text for rank, pid in enumerate(pids)), text
+    assert "  last events:" in text and f"checkpoint step 3, path {checkpoint}, background False" in text, text
 
     listed = raydist_command("status", "--json", env=_env(RAY_ADDRESS=ray_head.address))
     assert listed.returncode == 0, listed.stderr
@@ -87,6 +88,7 @@ def test_status_lists_a_held_detached_model_and_stop_ends_it_only_with_force(ray
     assert [(r["rank"], r["pid"], r["step"], r["node_id"]) for r in model["ranks"]] == \
         [(0, pids[0], 3, head_node), (1, pids[1], 3, head_node)]  # fmt: skip
     assert all(r["peak_rss_mib"] > 50 and r["last_answer"] is not None for r in model["ranks"])
+    assert [(e["kind"], e["path"]) for e in model["events"]] == [("checkpoint", checkpoint)]
 
     refused = raydist_command("stop", "terminal-held", "--address", ray_head.client)
     assert refused.returncode == 1 and f"held by the driver with pid {holder.pid} " in refused.stderr, refused.stderr

@@ -617,7 +617,8 @@ def test_co_located_ranks_take_turns_at_the_custom_ops_build_under_filelocks_loc
     monkeypatch.setattr(collectives, "_native", None)
     loaded = threading.Event()
     monkeypatch.setattr(extension_utils, "load_op_meta_info_and_register_op", lambda path: loaded.set())
-    monkeypatch.setattr(ctypes, "CDLL", lambda path: types.SimpleNamespace(raydist_p2p_waited_ns=types.SimpleNamespace()))
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: types.SimpleNamespace(raydist_p2p_waited_ns=types.SimpleNamespace(),
+                                                                           raydist_comm_records=types.SimpleNamespace()))
     csrc = collectives._CSRC
     digest = hashlib.sha256(b"".join((csrc / f).read_bytes() for f in ("collective.cc", "p2p.cc", "ring.h"))).hexdigest()
     build = tmp_path / f"ops-paddle{paddle.__version__}-{digest[:12]}"
@@ -687,7 +688,7 @@ def test_the_command_lines_help_and_refusals():
         done = subprocess.run([sys.executable, "-m", "raydist", sub, "--help"], capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         assert done.returncode == 0 and option in done.stdout and "ray://" in done.stdout, done.stderr
-    for sub in ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "small", "profile"):
+    for sub in ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "small", "profile", "timeline"):
         done = subprocess.run([sys.executable, "-m", "bench", sub, "--help"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and f"python -m bench {sub}" in done.stdout and "--no-write" in done.stdout
     for command in (["-m", "raydist", "launch"], ["-m", "raydist.launch"]):

@@ -111,6 +111,9 @@ def load_ops() -> None:
 
     _native = ctypes.CDLL(str(library))  # the same library Paddle loaded: raydist_p2p_flush and _waited_ns
     _native.raydist_p2p_waited_ns.restype = ctypes.c_int64
+    _native.raydist_comm_records.restype = ctypes.c_int64
+    _native.raydist_comm_records.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
     _loaded = True
 
 
@@ -196,6 +199,29 @@ def _forget_events(program, gone: set[str]) -> None:
 def p2p_waited_s() -> float:
     """Seconds this rank waited for its pipeline neighbours so far (in receives and flushes)."""
     return _native.raydist_p2p_waited_ns() / 1e9 if _p2p else 0.0
+
+
+# What `comm_records` calls each kind (csrc/ring.h, CommKind).
+COMM_KINDS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "recv", "flush")
+COMM_LOG = 1 << 14  # records the native log keeps (kCommLog)
+
+
+def comm_records(since: int = 0):
+    """This rank's collectives and pipeline receives from record number ``since`` on, as far as
+    the log still holds them: an int64 array of rows (number, start ns, end ns, kind, ring, 0)
+    on ``time.monotonic_ns``'s clock, and the number the next record will get. Empty before
+    raydist's ops are loaded (GPU ranks run Paddle's own NCCL collectives, which the host
+    cannot time without waiting for the device)."""
+    import ctypes
+
+    import numpy as np
+
+    if _native is None:
+        return np.zeros((0, 6), np.int64), since
+    out = np.empty((COMM_LOG, 6), np.int64)
+    after = ctypes.c_int64(0)
+    n = _native.raydist_comm_records(since, out.ctypes.data, COMM_LOG, ctypes.byref(after))
+    return out[:n], after.value
 
 
 def flush() -> None:

@@ -144,7 +144,7 @@ def _reader() -> Any:
     with _lock:
         if job not in _reader_of:
             _reader_of.clear()
-            _reader_of[job] = _reader_class().options(num_cpus=0, scheduling_strategy=_on_the_head()).remote()
+            _reader_of[job] = _reader_class().options(num_cpus=0, scheduling_strategy=on_the_head()).remote()
         return _reader_of[job]
 
 
@@ -153,7 +153,7 @@ def _forget_reader() -> None:
         _reader_of.clear()
 
 
-def _on_the_head() -> Any:
+def on_the_head() -> Any:
     """Scheduling on the head node, which outlives the others (any node if no head shows)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

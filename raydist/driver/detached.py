@@ -294,7 +294,13 @@ def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
         log.warning("raydist: took the detached model %r over from %s", name, before)
     blob, actors, pg, rate = ray.get(record.read.remote())  # as the driver before left it
     snapshot = pickling.loads(blob)
-    return DistModel._attached(Hold(name, record, me), snapshot, actors, pg, rate, loader)
+    dm = DistModel._attached(Hold(name, record, me), snapshot, actors, pg, rate, loader)
+    life = dm._life
+    if before is None:
+        life.events.emit("attach", life.step(), holder=str(me))
+    else:
+        life.events.emit("take_over", life.step(), holder=str(me), **{"from": str(before)})
+    return dm
 
 
 def _wait_silent(record: Any, name: str, holder: Holder) -> bool:

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import logging
 import posixpath
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from tqdm.auto import tqdm
 
 from .. import checkpoint
 from ..errors import RankError
+from .events import EVENTS_FILE, JsonLines
 from . import runs
 
 if TYPE_CHECKING:
@@ -63,7 +65,14 @@ def fit(
     eval_every: int | None = None,
     resume: bool = False,
     keep_last: int | None = None,
+    flops_per_sample: float | None = None,
+    peak_flops: float | None = None,
 ) -> list[float]:
+    for name, value in (("flops_per_sample", flops_per_sample), ("peak_flops", peak_flops)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if peak_flops is not None and flops_per_sample is None:
+        raise ValueError("peak_flops (for MFU) needs flops_per_sample")
     if (checkpoint_every or max_failures or resume or keep_last) and not checkpoint_dir:
         raise ValueError("checkpoint_every, max_failures, resume and keep_last need a checkpoint_dir")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -78,6 +87,8 @@ def fit(
         dm.train()
     run = _Run(dm, life, rates, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every)
     run.keep_last = keep_last
+    run.pace = Pace(loader.batch_size, flops_per_sample, peak_flops)
+    life.metrics.batch_size = loader.batch_size
     run.identity = runs.identity(loader, life.state.meta("param"))
     user_callbacks = list(callbacks or [])
     if found is not None:
@@ -88,8 +99,20 @@ def fit(
             return found.history
     run.callbacks = _callbacks(user_callbacks, run, loader, epochs, total)
     run.user_callbacks = user_callbacks
-    if found is None and max_failures:
-        run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
+    sink = JsonLines(checkpoint_dir) if checkpoint_dir else None
+    if sink is not None:  # the run's events survive the driver; a resumed run goes on with the same file
+        life.events.add_sink(sink)
+    try:
+        if found is None and max_failures:
+            run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
+        return _fit(run, life, found, total, progress, max_failures, checkpoint_dir)
+    finally:
+        if sink is not None:
+            life.events.remove_sink(sink)
+
+
+def _fit(run: "_Run", life: "Lifecycle", found, total: int, progress: bool, max_failures: int,
+         checkpoint_dir: str | None) -> list[float]:  # fmt: skip
     failures = 0
     with tqdm(total=total, unit="step", disable=not progress, desc="fit") as bar:
         run.bar = bar
@@ -132,7 +155,8 @@ def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":
                          "or pass resume=True to go on with the run in it")  # fmt: skip
     found = runs.latest_checkpoint(directory)
     leftovers = checkpoint.staged(directory)
-    if found is None and len(leftovers) < len(names):
+    others = [n for n in names if n != EVENTS_FILE]  # a run that died before its first checkpoint left its events
+    if found is None and len(leftovers) < len(others):
         raise ValueError(f"checkpoint_dir {directory} holds no complete raydist checkpoint, but other files: "
                          f"{sorted(names)[:5]}")  # fmt: skip
     if found is not None and "fit" not in found.record:
@@ -182,6 +206,7 @@ class _Run:
         self.preempted = False  # a preemption notice came that the group could not move off
         self.identity: dict[str, Any] = {}
         self.user_callbacks: list[Any] = []
+        self.pace: Pace = Pace(loader.batch_size)
 
     def go_on_from(self, found: "runs.CheckpointInfo") -> None:
         """Where a checkpoint of this run left it (the model was loaded from it)."""
@@ -265,10 +290,12 @@ class _Run:
         while pending and (wait or pending[0].loss.done):
             sent = pending.popleft()
             self.history.append(float(sent.loss))
-            self.logs = {"loss": self.history[-1], "lr": sent.lr, "batch_size": self.loader.batch_size}
+            self.logs = {"loss": self.history[-1], "lr": sent.lr, "batch_size": self.loader.batch_size,
+                         **self.pace.step()}  # fmt: skip
+            self.life.metrics.read(self.history[-1], sent.lr)
             self.callbacks.on_batch_end("train", sent.step, dict(self.logs))
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{self.history[-1]:.4f}", refresh=False)
+            self.bar.set_postfix(loss=f"{self.history[-1]:.4f}", **self.pace.postfix(self.logs), refresh=False)
 
     def checkpoint(self, epoch: int, step: int, background: bool = True) -> None:
         """Save, with where the run stands (data position, history, ended epochs, callbacks' state): in the
@@ -316,6 +343,40 @@ class _Run:
         del self.history[done:]
         self.bar.n = done
         self.bar.refresh()
+
+
+class Pace:
+    """Throughput over the last `PACE_STEPS` steps the driver saw done: samples/s; with the
+    FLOPs of a sample (forward and backward), FLOP/s; with the hardware's peak FLOP/s (all
+    ranks together), MFU (achieved / peak), as Lightning's ThroughputMonitor has them."""
+
+    def __init__(self, batch_size: int, flops_per_sample: float | None = None, peak_flops: float | None = None):
+        self.batch_size, self.flops, self.peak = batch_size, flops_per_sample, peak_flops
+        self._times: collections.deque[float] = collections.deque(maxlen=PACE_STEPS + 1)
+
+    def step(self) -> dict[str, float]:
+        """A step is done: the figures now (none before two steps)."""
+        now = time.monotonic()
+        self._times.append(now)
+        if len(self._times) < 2 or now <= self._times[0]:
+            return {}
+        samples = (len(self._times) - 1) * self.batch_size / (now - self._times[0])
+        out = {"samples_per_s": samples}
+        if self.flops:
+            out["flops_per_s"] = samples * self.flops
+            if self.peak:
+                out["mfu"] = out["flops_per_s"] / self.peak
+        return out
+
+    @staticmethod
+    def postfix(logs: dict[str, float]) -> dict[str, str]:
+        out = {"samples/s": f"{logs['samples_per_s']:.0f}"} if "samples_per_s" in logs else {}
+        if "mfu" in logs:
+            out["MFU"] = f"{logs['mfu']:.1%}"
+        return out
+
+
+PACE_STEPS = 50
 
 
 def _callbacks(callbacks: Sequence[Any] | None, run: _Run, loader, epochs: int, total: int):

@@ -72,6 +72,7 @@ class RankGroup:
         self._let_go = False
         self._on_shutdown: list = []
         self._on_death: list = []
+        self._on_failure: list = []
         if adopt is None:
             self._start()
         else:
@@ -245,7 +246,7 @@ class RankGroup:
     def timed_out(self, stuck: list[int], during: str, why: str) -> RankError:
         """Tear the group down after ranks ``stuck`` hung (``why``: how)."""
         self.shutdown()
-        return RankError(stuck[0] if stuck else -1, why, during=during)
+        return self._failed(RankError(stuck[0] if stuck else -1, why, during=during))
 
     def fail(self, e: BaseException, during: str, rank: int = -1, steps: range | None = None,
              sent: Sequence = ()) -> RankError:  # fmt: skip
@@ -275,7 +276,15 @@ class RankGroup:
         elif self.rank_of(e) >= 0:
             rank = self.rank_of(e)
         self.shutdown()
-        return rank_error(e, rank, during)
+        return self._failed(rank_error(e, rank, during))
+
+    def _failed(self, error: RankError) -> RankError:
+        for callback in self._on_failure:
+            try:
+                callback(self, error)
+            except Exception:  # noqa: BLE001 - the failure is what gets reported
+                log.exception("raydist: telling of a failure failed")
+        return error
 
     def _dead_rank(self, timeout: float = DEATH_GRACE_S) -> tuple[int, Exception, list[int]] | None:
         """A dead rank, its death, and the numbers of the steps the live ranks run; None if none died."""
@@ -308,6 +317,10 @@ class RankGroup:
         """Call ``callback(group)`` when a rank died, before the survivors are killed
         (to read what they hold)."""
         self._on_death.append(callback)
+
+    def on_failure(self, callback) -> None:
+        """Call ``callback(group, error)`` with the `RankError` each failure of the group becomes."""
+        self._on_failure.append(callback)
 
     def on_shutdown(self, callback) -> None:
         """Call ``callback()`` once the ranks are killed (e.g. to close a compiled graph)."""

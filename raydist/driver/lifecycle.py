@@ -34,6 +34,8 @@ from .actors import GroupConfig
 from .group import RankGroup
 from .detached import Hold, Holder, Snapshot
 from .cluster_state import Outage
+from .events import Events
+from .metrics import RunMetrics
 from .drains import DrainWatch, Notice
 from .placement import placeable_now
 from .recovery import Recovery
@@ -86,6 +88,10 @@ class Lifecycle:
         self._finalizer: weakref.finalize | None = None
         self.hold: Hold | None = None  # this driver's hold on a detached model (`raydist.driver.detached`)
         self.driver = Holder.here()  # this driver, as `raydist status` names it
+        self.events = Events(config.name or "")  # named after the first group, if the model is not
+        self.metrics = RunMetrics(config.name or "")
+        self.events.add_sink(self.metrics.on_event)
+        self.events.add_sink(_weakly(self._published))
         self.snapshot: Callable[[], Snapshot] | None = None  # what a detached model's record keeps of it
 
     # -- starting --------------------------------------------------------------------
@@ -121,7 +127,10 @@ class Lifecycle:
     def _took(self, group: RankGroup, first_step: int) -> RankClient:
         """``group`` is the live one, its steps numbered from ``first_step``: its client. It stops when
         this model is dropped (if it is detached, this driver lets go of it instead)."""
+        if not self.events.model:
+            self.events.model = self.metrics.tags["model"] = group.prefix
         group.on_death(_weakly(self._salvage))
+        group.on_failure(_weakly(self._failed))
         d = self.dispatch
         client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
                             step_timeout=group.config.step_timeout_s, first_step=first_step,
@@ -174,6 +183,8 @@ class Lifecycle:
         self.start(first_step=checkpoint.read_manifest(path).get("step", 0) if path else 0)
         if path is not None:
             self.state.load(path, self.modes.built("train"))
+        self.events.emit("restart", self.step(), size=self.client.size, source="checkpoint" if path else "start",
+                         checkpoint=path, replayed=None)  # fmt: skip
 
     def publish(self) -> None:
         """After each change: tell the ranks what ``raydist status`` shows of the model (its holder,
@@ -182,11 +193,28 @@ class Lifecycle:
             return
         group = self.client.group
         card = {"kind": "model", "holder": str(self.hold.holder if self.hold is not None else self.driver),
-                "sizes": [self.sizes.min, self.sizes.max], "last_checkpoint": self.state.last_checkpoint}  # fmt: skip
+                "sizes": [self.sizes.min, self.sizes.max], "last_checkpoint": self.state.last_checkpoint,
+                "events": self.events.last(3)}  # fmt: skip
         for actor in group.actors:
             actor.describe.remote(card)
         if self.hold is not None:
             self.hold.publish(self.snapshot(), group.actors, group.placement_group)
+
+    def _published(self, event: dict) -> None:
+        self.publish()
+
+    def step(self) -> int:
+        """The number the next step sent gets (0 before the first group)."""
+        return self.client.window.submitted if self.client is not None else 0
+
+    def _failed(self, group: RankGroup, error: RankError) -> None:
+        """A failure of the live group, as an event."""
+        if self.client is None or group is not self.client.group:
+            return
+        node = group.places[error.rank].node_ip if 0 <= error.rank < len(group.places) else None
+        first = str(error.cause).strip().splitlines()
+        self.events.emit("failure", self.client.window.completed, rank=error.rank, node=node, during=error.during,
+                         error=(first[-1] if first else "")[:500], died=error.died)  # fmt: skip
 
     def _lost(self, why: str) -> None:
         """Another driver took this detached model over: stop using its ranks, without stopping them."""
@@ -202,18 +230,25 @@ class Lifecycle:
         survivors' (else the last checkpoint's, or the initial parameters). See `raydist.DistModel.restart`."""
         self.state.wait_saved()  # a background save ends first: committed, or gone with the ranks
         salvaged = self.recovery.take()
-        first_step = self.client.window.submitted
+        first_step, done = self.client.window.submitted, self.client.window.completed
         freed = self.client.group.live_bundles()
         self.close()
         self.start(first_step, freed=freed)
         self.went_on_live = salvaged is not None
+        path = self.state.last_checkpoint
         if salvaged is not None:
             state, rate, trained = salvaged
             self._put_back(state, rate)
             log.warning("raydist: went on from the state the surviving ranks held after %d train steps "
                         "(no checkpoint read)", trained)  # fmt: skip
-        elif self.state.last_checkpoint is not None:
-            self.state.load(self.state.last_checkpoint, self.modes.built("train"))
+            source, behind = "replicas", 0
+        elif path is not None:
+            self.state.load(path, self.modes.built("train"))
+            source, behind = "checkpoint", done - checkpoint.read_manifest(path).get("step", 0)
+        else:
+            source, behind = "start", done
+        self.events.emit("restart", first_step, size=self.client.size, source=source,
+                         checkpoint=path if source == "checkpoint" else None, replayed=max(0, behind))  # fmt: skip
         return self.went_on_live
 
     def can_grow(self, look: bool = False) -> int | None:
@@ -242,16 +277,18 @@ class Lifecycle:
             on = [r for r, node in enumerate(self.client.group.nodes) if node in notice.nodes]
             log.warning("raydist: preemption notice: %s; it holds ranks %s", notice, on)
             size = self._size_off() if self.sizes.elastic else None
+            self.events.emit("drain", self.step(), nodes=sorted(notice.nodes), deadline=notice.deadline, ranks=on,
+                             action="move" if size is not None else "checkpoint")  # fmt: skip
             if size is not None:
                 log.warning("raydist: moving off it, from %d to %d ranks, with the live state (no checkpoint)",
                             self.client.size, size)  # fmt: skip
-                self.resize(size)
+                self.resize(size, why="drain")
                 return "moved"
             self.notice = notice
             return "noticed"
         if size is not None:
             log.warning("raydist: room for %d ranks; growing from %d", size, self.client.size)
-            self.resize(size)
+            self.resize(size, why="grow")
             return "grew"
         return None
 
@@ -261,14 +298,14 @@ class Lifecycle:
         size = self.sizes.fitting(room)
         return size if size <= room else None
 
-    def resize(self, size: int) -> None:
+    def resize(self, size: int, why: str = "grow") -> None:
         """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
-        object store: no checkpoint is written); at a step boundary only."""
+        object store: no checkpoint is written); at a step boundary only. ``why``: "grow" or "drain"."""
         self.state.wait_saved()
         state = self.state.state_dict("all" if self.modes.built("train") else "param")
         rate = self.rates.position()
         first_step = self.client.window.submitted
-        freed = self.client.group.live_bundles()
+        freed, before = self.client.group.live_bundles(), self.client.size
         self._stop_watching_room()
         self._finalizer.detach()
         self.client.close(drain=True)
@@ -278,6 +315,7 @@ class Lifecycle:
             log.warning("raydist: no room for %d ranks after all; going on at the size that fits", size)
             self.start(first_step)
         self._put_back(state, rate)
+        self.events.emit("resize", first_step, to=self.client.size, why=why, **{"from": before})
 
     def _salvage(self, group: RankGroup) -> None:
         """A rank of ``group`` died: keep what its survivors hold, for `restart`."""

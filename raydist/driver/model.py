@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -266,9 +267,12 @@ class DistModel:
         message = modes.message(list(leaves(args)), self._rates.take_changes)
         plan = modes.plans[mode]
         rate = self._rates.position() if mode == "train" else None
-        step = self._client.step(message, lambda results: combine(plan, mode, results))
+        client = self._client
+        step = client.step(message, lambda results: combine(plan, mode, results))
+        life = self._life
         if mode == "train":
-            self._life.recovery.sent(step.number, rate)
+            life.recovery.sent(step.number, rate)
+        life.metrics.tick(client.window, client.size, (life.sizes.min, life.sizes.max))
         return step.result() if mode == "predict" else Loss(step)
 
     def wait(self) -> None:
@@ -367,8 +371,11 @@ class DistModel:
 
         if position is not None:
             position = [int(p) for p in position]
-        self._state.save(path, background, step=self._client.window.submitted, mode=self.mode, raydist=__version__,
+        began, step = time.monotonic(), self._client.window.submitted
+        self._state.save(path, background, step=step, mode=self.mode, raydist=__version__,
                          paddle=paddle.__version__, position=position, record=record or {})  # fmt: skip
+        self._life.events.emit("checkpoint", step, path=path, background=background,
+                               stall_s=round(time.monotonic() - began, 6))  # fmt: skip
 
     def load(self, path: str) -> None:
         """Restore parameters, optimizer state and the learning rate from a checkpoint `save` wrote, on any mesh.
@@ -392,6 +399,8 @@ class DistModel:
         eval_every: int | None = None,
         resume: bool = False,
         keep_last: int | None = None,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
     ) -> list[float]:
         """Train on ``loader`` for ``epochs`` (or ``steps``), surviving up to ``max_failures`` rank failures.
 
@@ -415,12 +424,37 @@ class DistModel:
         so it ends as an undisturbed run would; an empty directory starts the run,
         a finished one returns its history (the model holds its final state), and
         one of another model or loader is refused, saying how it differs.
-        ``keep_last=N`` keeps only the newest N checkpoints. See `raydist.driver.fit`.
+        ``keep_last=N`` keeps only the newest N checkpoints. The run's events (`events`) go to
+        ``checkpoint_dir/events.jsonl`` too, appended across resumes.
+
+        Throughput: the bar and the callbacks' logs have ``samples_per_s`` (over the last 50
+        steps); with ``flops_per_sample`` (forward and backward of one row), ``flops_per_s``;
+        with ``peak_flops`` too (the peak FLOP/s of all the ranks' devices together), ``mfu``.
+        See `raydist.driver.fit`.
         """
         from .fit import fit
 
         return fit(self, self._life, self._rates, loader, epochs, steps, checkpoint_every, checkpoint_dir,
-                   max_failures, progress, callbacks, eval_loader, eval_every, resume, keep_last)  # fmt: skip
+                   max_failures, progress, callbacks, eval_loader, eval_every, resume, keep_last, flops_per_sample,
+                   peak_flops)  # fmt: skip
+
+    # -- watching --------------------------------------------------------------
+
+    def events(self) -> list[dict[str, Any]]:
+        """The run's events, oldest first: failures, restarts, resizes, preemption notices,
+        checkpoints, attaches and take-overs, each a dict with ``kind``, ``time``, ``step`` and
+        ``model`` and what belongs to its kind (see `raydist.driver.events`)."""
+        return self._life.events.list()
+
+    def timeline(self, path: str, steps: int | None = None) -> dict[str, Any]:
+        """Write the last ``steps`` steps (None: all each rank keeps, up to 2048) as a Chrome
+        trace-event JSON at ``path``, for Perfetto or chrome://tracing: a track per rank with
+        each step's wait for its batch, the step, and (CPU) each collective in it; a track for
+        the driver's messages; every rank's clock aligned to the driver's. Returns the trace
+        (see `raydist.driver.timeline`)."""
+        from .timeline import timeline
+
+        return timeline(self._client, self._life.events.model, path, steps)
 
     # -- lifetime --------------------------------------------------------------
 

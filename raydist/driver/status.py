@@ -64,6 +64,7 @@ class ModelStatus:
     script: str | None  # a launched script's file
     ranks: list[RankStatus]
     missing: list[int]
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # its last few (`DistModel.events`)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,7 +96,7 @@ def models(timeout_s: float = 10.0) -> list[ModelStatus]:
             mode=modes.pop() if len(modes) == 1 else (", ".join(sorted(modes)) or None),
             step=max(steps) if steps else None, nodes=sorted({s.node_id for s in mine}),
             last_checkpoint=card.get("last_checkpoint"), script=card.get("script"), ranks=mine,
-            missing=sorted(set(actors) - {s.rank for s in mine}),
+            missing=sorted(set(actors) - {s.rank for s in mine}), events=card.get("events", []),
         ))  # fmt: skip
     return out
 

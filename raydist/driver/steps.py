@@ -47,6 +47,7 @@ import numpy as np
 # (so a progress bar still moves, and a failure is not far behind).
 MESSAGE_S = 0.5
 AUTO_MOST = 64
+KEEP_MESSAGES = 2048  # messages the window keeps for the timeline
 
 
 def check_window(max_in_flight: Any, steps_per_message: Any) -> None:
@@ -86,13 +87,15 @@ class Step:
 
 
 class Parcel:
-    """Steps sent in one message; ``ticket`` is what the transport returned for it."""
+    """Steps sent in one message; ``ticket`` is what the transport returned for it; ``sending``:
+    when its send began (``time.monotonic_ns``), ``sent_at`` when it was sent (``time.monotonic``)."""
 
-    __slots__ = ("steps", "ticket", "sent_at")
+    __slots__ = ("steps", "ticket", "sending", "sent_at")
 
-    def __init__(self, steps: list[Step], ticket: Any):
+    def __init__(self, steps: list[Step], ticket: Any, sending: int):
         self.steps = steps
         self.ticket = ticket
+        self.sending = sending
         self.sent_at = time.monotonic()
 
     @property
@@ -121,10 +124,14 @@ class Window:
         self._sent: collections.deque[Parcel] = collections.deque()
         self._held: list[Step] = []  # submitted while `size` messages were in flight
         self._count = first
+        self.completed = first  # the number after the last step done without failing
         self.messages = 0  # messages sent
         self._done_at: float | None = None  # when the last message was done
         self._lock = threading.Lock()  # the queues and the count
         self._completing = threading.Lock()  # one thread waits for the oldest message at a time
+        # the last messages, for the timeline: (first step, steps, send began, sent, done), monotonic ns
+        self.log: collections.deque = collections.deque(maxlen=KEEP_MESSAGES)
+        self.send_ns = 0  # the driver's time in sends, over every message
 
     def submit(self, message: Any, finish: Callable[[Any], Any]) -> Step:
         """Add a step. It is sent at once if no message is in flight; otherwise it is held,
@@ -182,6 +189,7 @@ class Window:
     def _send_held(self) -> None:
         """Send the held steps as one message (with the lock held)."""
         steps, self._held = self._held, []
+        sending = time.monotonic_ns()
         try:
             ticket = self._send(steps[0].number, [s.message for s in steps])
         except BaseException as e:
@@ -190,7 +198,8 @@ class Window:
             raise
         for step in steps:
             step.message = None
-        parcel = Parcel(steps, ticket)
+        parcel = Parcel(steps, ticket, sending)
+        self.send_ns += int(parcel.sent_at * 1e9) - sending
         for step in steps:
             step.parcel = parcel
         self._sent.append(parcel)
@@ -229,8 +238,11 @@ class Window:
             with _interrupts_deferred(), self._lock:
                 self._sent.popleft()
                 parcel.ticket = None
+                self.log.append((parcel.steps[0].number, len(parcel.steps), parcel.sending,
+                                 int(parcel.sent_at * 1e9), time.monotonic_ns()))  # fmt: skip
                 for step, value in zip(parcel.steps, values):
                     step._value, step.done = value, True
+                self.completed = parcel.steps[-1].number + 1
                 self._pace(parcel)
                 if self._held:  # room now: the ranks get the held steps at once
                     self._send_held()

@@ -18,6 +18,7 @@ from ..strategy import pipeline_stages
 from ..topology import Mesh, ModePlan
 from .runner import StaticRunner
 from .schedule import RankSchedule
+from .steplog import StepLog
 
 
 class ModelService:
@@ -33,6 +34,7 @@ class ModelService:
         self._thread_device = None
         self._starts: collections.deque = collections.deque(maxlen=100_000)
         self._running: tuple[int, float] | None = None  # (step, since when) running now or waiting for its data
+        self.log = StepLog()  # the last steps, for the timeline and the metrics
         self.trained = 0  # train steps completed since the build (the live state's position)
         self.next_step = 0  # the number after the last step run, whatever its mode (for a driver that attaches)
         self.broke_off = False  # whether the last train step raised (a peer's death, say)
@@ -116,12 +118,16 @@ class ModelService:
         this rank's local results of each if the driver reads them, else None. A step that
         fails says which it was (its number), so the driver names it."""
         results = []
+        log, clock = self.log, time.monotonic_ns
         try:
             for number, message in enumerate(parcel.steps, parcel.first):
-                self._running = (number, time.monotonic())
+                asked = clock()
+                self._running = (number, asked / 1e9)
                 try:
                     batch = data.take(message) if isinstance(message, LoaderStep) else None
+                    fed = clock() if batch is not None else asked  # a driver batch is there already
                     results.append(self.step(message, batch))
+                    log.add(number, self.runner.mode, asked, fed, clock())
                     self.next_step = number + 1
                 except Exception as e:
                     e.raydist_step = number

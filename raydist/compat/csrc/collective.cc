@@ -11,6 +11,7 @@
 // The ops keep the attribute name "ring_id", so the executor still treats them
 // as communication ops and runs them in program order.
 
+#include <algorithm>
 #include <vector>
 
 #include "ring.h"
@@ -19,14 +20,17 @@ namespace {
 
 using raydist::Dense;
 using raydist::Ring;
+using raydist::Timed;
 
 std::vector<paddle::Tensor> AllReduce(const paddle::Tensor& x, int ring_id, int reduce_type) {
   auto out = paddle::empty(x.shape(), x.dtype(), x.place());
+  Timed timed(raydist::kAllReduce, ring_id);
   Ring(ring_id)->AllReduce(Dense(out), *Dense(x), reduce_type);
   return {out};
 }
 
 void AllReduceInplace(paddle::Tensor& x, int ring_id, int reduce_type) {  // NOLINT
+  Timed timed(raydist::kAllReduce, ring_id);
   Ring(ring_id)->AllReduce(Dense(x), *Dense(x), reduce_type);
 }
 
@@ -34,6 +38,7 @@ std::vector<paddle::Tensor> AllGather(const paddle::Tensor& x, int ring_id, int 
   auto shape = x.shape();
   shape[0] *= nranks;
   auto out = paddle::empty(shape, x.dtype(), x.place());
+  Timed timed(raydist::kAllGather, ring_id);
   Ring(ring_id)->AllGather(Dense(out), *Dense(x));
   return {out};
 }
@@ -46,11 +51,13 @@ std::vector<std::vector<int64_t>> AllGatherShape(const std::vector<int64_t>& x, 
 
 std::vector<paddle::Tensor> Broadcast(const paddle::Tensor& x, int ring_id, int root) {
   auto out = paddle::empty(x.shape(), x.dtype(), x.place());
+  Timed timed(raydist::kBroadcast, ring_id);
   Ring(ring_id)->Broadcast(Dense(out), *Dense(x), root);
   return {out};
 }
 
 void BroadcastInplace(paddle::Tensor& x, int ring_id, int root) {  // NOLINT
+  Timed timed(raydist::kBroadcast, ring_id);
   Ring(ring_id)->Broadcast(Dense(x), *Dense(x), root);
 }
 
@@ -58,7 +65,10 @@ void BroadcastInplace(paddle::Tensor& x, int ring_id, int root) {  // NOLINT
 std::vector<paddle::Tensor> ReduceScatter(const paddle::Tensor& x, int ring_id, int nranks) {
   auto* ring = Ring(ring_id);
   auto sum = paddle::empty(x.shape(), x.dtype(), x.place());
-  ring->AllReduce(Dense(sum), *Dense(x), /*reduce_type=*/0);
+  {
+    Timed timed(raydist::kReduceScatter, ring_id);
+    ring->AllReduce(Dense(sum), *Dense(x), /*reduce_type=*/0);
+  }
   const int64_t rows = x.shape()[0] / nranks;
   return {sum.slice(ring->GetRank() * rows, (ring->GetRank() + 1) * rows).copy_to(x.place(), true)};
 }
@@ -70,6 +80,23 @@ std::vector<std::vector<int64_t>> ReduceScatterShape(const std::vector<int64_t>&
 }
 
 }  // namespace
+
+// Copies the communication records numbered from `since` on (as many of them as
+// the log still holds, at most `most`) into `out`, 6 int64 each: number, start
+// ns, end ns, kind, ring, 0. Returns how many were copied; `*next` gets the
+// number after the last record made.
+extern "C" int64_t raydist_comm_records(int64_t since, int64_t* out, int64_t most, int64_t* next) {
+  const int64_t count = raydist::g_comm_count.load();
+  const int64_t first = std::max({since, count - raydist::kCommLog, int64_t{0}});
+  int64_t copied = 0;
+  for (int64_t i = first; i < count && copied < most; ++i, ++copied) {
+    const auto& r = raydist::g_comm_log[i % raydist::kCommLog];
+    int64_t* row = out + 6 * copied;
+    row[0] = i, row[1] = r.start_ns, row[2] = r.end_ns, row[3] = r.kind, row[4] = r.ring, row[5] = 0;
+  }
+  *next = count;
+  return copied;
+}
 
 PD_BUILD_OP(raydist_all_reduce)
     .Inputs({"X"})

@@ -99,6 +99,7 @@ void RecvInplace(paddle::Tensor& buffer, int ring_id, int peer) {  // NOLINT
     CheckFailed();
   }
   Waiting waiting;
+  raydist::Timed timed(raydist::kRecv, ring_id);
   Ring(ring_id)->Recv(Dense(buffer), peer);
 }
 
@@ -107,6 +108,7 @@ void RecvInplace(paddle::Tensor& buffer, int ring_id, int peer) {  // NOLINT
 // Wait until every queued send went out; 0, or -1 with the failure in `error`.
 extern "C" int raydist_p2p_flush(char* error, int size) {
   Waiting waiting;
+  raydist::Timed timed(raydist::kFlush, -1);
   std::unique_lock<std::mutex> lock(g_mu);
   g_cv.wait(lock, [] { return g_pending == 0 || !g_error.empty(); });
   if (g_error.empty()) return 0;
