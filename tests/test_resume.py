@@ -65,7 +65,7 @@ def calm(ray_session, tmp_path_factory):
     history, state, _ = fit(directory, resume=True, keep_last=2)
     assert len(history) == 18, len(history)  # EarlyStopping ended it after 3 of 5 epochs
     names = sorted(os.listdir(directory))
-    assert names == ["finished.json", "step-00000016", "step-00000018"], names
+    assert names == ["events.jsonl", "finished.json", "step-00000016", "step-00000018"], names
     found = raydist.latest_checkpoint(str(directory))
     assert found.finished and found.steps == 18 and found.path.endswith("step-00000018")
     assert_close(found.history, history, rtol=0, atol=0)

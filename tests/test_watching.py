@@ -22,7 +22,8 @@ from clusters import TESTS
 from helpers import said, tell
 from models import Reference, Rows, adamw, assert_close, assert_fit_like_one_process, batches, build, sgd
 
-pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
+# slow: 5 to 30 s each on 2 cores (they train on 2-4 ranks)
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def check_trace_format(trace: dict) -> None:
