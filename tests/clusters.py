@@ -53,6 +53,20 @@ def run_driver(code: str, timeout: float = 240, env: dict | None = None, cwd: st
     return out
 
 
+def driver_env(**more: str) -> dict:
+    """The environment of a driver process of the tests': this one's, no RAY_ADDRESS unless given in
+    ``more``, no token authentication, the tests' modules importable."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return {**env, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS), **more}
+
+
+def start_driver(code: str, **env: str) -> subprocess.Popen:
+    """``code`` (dedented) as a driver process of its own, talked to by lines (`helpers.said`,
+    `helpers.tell`), its output on stdout; ``env``: more of its environment (`driver_env`)."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=driver_env(**env))  # fmt: skip
+
+
 # Real raylets: a 1-CPU head the driver runs on, and worker nodes with a "rank" resource
 # only they have, so ranks live on them and a removed node takes its ranks away.
 CLUSTER = """

@@ -162,12 +162,13 @@ def detached_driver(env: dict, phase: str, out=None):
                             env={**env, "PYTHONPATH": str(here), "NAME": "outlives", "OUT": str(out or "")})  # fmt: skip
 
 
-def detached_story(env: dict, tmp_path) -> None:
+def detached_story(env: dict, tmp_path) -> dict:
     """A detached model's driver SIGKILLed after 5 steps; a new process attaches: the same rank processes,
     in train mode at step 5 with the schedule's value; 5 more steps: the 10 of one process. While it
     holds the model, another is refused (naming it) and an unknown name lists the models; a third takes
     it over: the holder's next call is refused and its shutdown leaves the ranks; the third's shutdown
-    ends them. ``env``: the drivers' environment (``RAY_ADDRESS`` names the cluster, or ``ray://``)."""
+    ends them. ``env``: the drivers' environment (``RAY_ADDRESS`` names the cluster, or ``ray://``).
+    What the attaching driver found (``stands``) and the take-over's event (``took``)."""
     from models import Reference, assert_close, batches
 
     start = detached_driver(env, "start")
@@ -210,6 +211,7 @@ def detached_story(env: dict, tmp_path) -> None:
     assert said(taker, "ended") == "[]"
     assert taker.wait(timeout=120) == 0
     wait_gone(pids)
+    return {"stands": stands, "took": took}
 
 
 def seen_env(out: str, ranks: int = 2) -> list[dict]:

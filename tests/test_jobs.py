@@ -221,4 +221,5 @@ def test_a_stopped_job_submitted_again_ends_as_an_undisturbed_run(head, calm, tm
 
 def test_a_detached_model_outlives_its_killed_driver_and_is_attached_held_taken_over_and_ended(head, tmp_path):
     """`helpers.detached_story`, the drivers on the head's GCS address (with token authentication)."""
-    detached_story(head[2], tmp_path)
+    story = detached_story(head[2], tmp_path)
+    assert story["stands"]["step"] == 5 and "through Ray Client" not in story["took"]["holder"] + story["took"]["from"]

@@ -7,11 +7,10 @@ on the cluster. Every result is held to one plain process."""
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from clusters import TESTS
+from clusters import TESTS, driver_env, start_driver
 from helpers import detached_story, said, tell
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]  # a Ray head of its own
@@ -21,13 +20,9 @@ def test_a_detached_model_through_ray_client_is_attached_after_its_driver_is_kil
     """`helpers.detached_story` with every driver through ``ray://`` (``RAY_ADDRESS``): a killed
     client's job outlives it by Ray's reconnect grace, yet the next driver attaches without
     take_over once the silent holder counts as gone."""
-    detached_story({"RAY_ADDRESS": ray_head.client, "RAY_AUTH_MODE": "disabled", **_base_env()}, tmp_path)
-
-
-def _base_env() -> dict:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    story = detached_story(driver_env(RAY_ADDRESS=ray_head.client), tmp_path)
+    assert story["stands"]["step"] == 5  # attached without take_over, the killed client's hold lapsed
+    assert "through Ray Client" in story["took"]["holder"] and "through Ray Client" in story["took"]["from"]
 
 
 # A driver through Ray Client that trains an elastic model (dp x mp2, 2 to 4 ranks of {"rank": 1}) with
@@ -94,9 +89,7 @@ def test_an_elastic_fit_through_ray_client_grows_into_a_joining_node_and_moves_o
     deadline and with no failure (``max_failures=0``); the node goes. Every loss and parameter
     equals one plain process, and no watch said it could not read the cluster."""
     first = ray_head.add_node("first")
-    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(ELASTIC).replace("ADDRESS", repr(ray_head.client))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**_base_env(), "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS)})  # fmt: skip
+    driver = start_driver(ELASTIC.replace("ADDRESS", repr(ray_head.client)))
     try:
         assert said(driver, "started") == "2"
         said(driver, "grow?")
@@ -137,8 +130,7 @@ def test_a_killed_client_drivers_run_resumes_through_ray_client_and_ends_as_one_
     from helpers import Pairs, scheduled_sgd, wait_gone
     from models import Reference, assert_close, global_batches
 
-    env = {**_base_env(), "RAY_ADDRESS": ray_head.client, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS),
-           "CKPT_DIR": str(tmp_path / "ck"), "OUT": str(tmp_path / "run.npz")}  # fmt: skip
+    env = driver_env(RAY_ADDRESS=ray_head.client, CKPT_DIR=str(tmp_path / "ck"), OUT=str(tmp_path / "run.npz"))
 
     def run(hang_after: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(TESTS / "resumable.py")], stdout=subprocess.PIPE,

@@ -3,25 +3,18 @@
 head's GCS address, through ``RAY_ADDRESS`` and through Ray Client (``ray://``)."""
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from clusters import TESTS
+from clusters import TESTS, driver_env as _env, start_driver
 from helpers import said, said_all, seen_env, tell, wait_gone
 from models import Reference, assert_close, batches, sgd
 from raydist.net import free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]  # a Ray head of its own
 RAYDIST = [sys.executable, "-m", "raydist"]
-
-
-def _env(**more: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return {**env, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS), **more}
 
 
 def raydist_command(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -53,9 +46,7 @@ HOLDER = """
 
 
 def _holder(head, name: str, hold: bool = True) -> subprocess.Popen:
-    code = textwrap.dedent(HOLDER).replace("NAME", repr(name)).replace("HOLD", str(hold))
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(RAY_ADDRESS=head.address))  # fmt: skip
+    return start_driver(HOLDER.replace("NAME", repr(name)).replace("HOLD", str(hold)), RAY_ADDRESS=head.address)
 
 
 def test_status_lists_a_held_detached_model_and_stop_ends_it_only_with_force(ray_head):

@@ -4,13 +4,8 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
-import textwrap
-import threading
 import time
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 import pytest
@@ -18,7 +13,7 @@ import ray
 
 import faults
 import raydist
-from clusters import TESTS
+from clusters import start_driver
 from helpers import said, tell
 from models import Reference, Rows, adamw, assert_close, assert_fit_like_one_process, batches, build, sgd
 
@@ -210,10 +205,7 @@ def test_ray_metrics_reach_the_clusters_prometheus_endpoint_tagged_with_the_mode
     """A driver through Ray Client trains 56 steps, then goes on; the head's metrics endpoint (``ray start
     --metrics-export-port``) holds each rank's step counter, rising, and step times of the right order,
     and the driver's pace, size and bounds, all tagged ``model="metered"``."""
-    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(METERED).replace("ADDRESS", repr(ray_head.client))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-                                   "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS)})  # fmt: skip
+    driver = start_driver(METERED.replace("ADDRESS", repr(ray_head.client)))
     try:
         said(driver, "trained")
 

@@ -136,21 +136,22 @@ class Reader:
 
 
 _lock = threading.Lock()
-_reader_of: dict[str, Any] = {}  # the client connection's job id -> its Reader
+_made: tuple[str, Any] | None = None  # (the client connection's job id, its Reader)
 
 
 def _reader() -> Any:
+    global _made
     job = ray.get_runtime_context().get_job_id()  # a new connection is a new job
     with _lock:
-        if job not in _reader_of:
-            _reader_of.clear()
-            _reader_of[job] = _reader_class().options(num_cpus=0, scheduling_strategy=on_the_head()).remote()
-        return _reader_of[job]
+        if _made is None or _made[0] != job:
+            _made = (job, _reader_class().options(num_cpus=0, scheduling_strategy=on_the_head()).remote())
+        return _made[1]
 
 
 def _forget_reader() -> None:
+    global _made
     with _lock:
-        _reader_of.clear()
+        _made = None
 
 
 def on_the_head() -> Any:

@@ -96,13 +96,16 @@ class RunMetrics:
         self._pending: list[tuple[str, float]] = []  # the last loss read, for the next export
         self._outage = Outage("the driver's Ray metrics are not exported", "the driver's Ray metrics are exported")
 
-    def tick(self, window: Any, size: int, bounds: tuple[int, int]) -> None:
+    def tick(self, client: Any, sizes: Any) -> None:
+        """From each call: every `EXPORT_S`, the pace of ``client``'s steps and the group's size
+        (of the model's `raydist.driver.elastic.Sizes`)."""
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + EXPORT_S
+        window = client.window
         done, messages, send_ns = window.completed, window.messages, window.send_ns
-        updates = [("raydist_ranks", size), ("raydist_size_min", bounds[0]), ("raydist_size_max", bounds[1])]
+        updates = [("raydist_ranks", client.size), ("raydist_size_min", sizes.min), ("raydist_size_max", sizes.max)]
         if self._last is not None:
             when, done0, messages0, send0 = self._last
             rate = (done - done0) / (now - when)

@@ -272,7 +272,7 @@ class DistModel:
         life = self._life
         if mode == "train":
             life.recovery.sent(step.number, rate)
-        life.metrics.tick(client.window, client.size, (life.sizes.min, life.sizes.max))
+        life.metrics.tick(client, life.sizes)
         return step.result() if mode == "predict" else Loss(step)
 
     def wait(self) -> None:

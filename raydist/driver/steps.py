@@ -87,16 +87,21 @@ class Step:
 
 
 class Parcel:
-    """Steps sent in one message; ``ticket`` is what the transport returned for it; ``sending``:
-    when its send began (``time.monotonic_ns``), ``sent_at`` when it was sent (``time.monotonic``)."""
+    """Steps sent in one message; ``ticket`` is what the transport returned for it; ``sending`` and
+    ``sent``: when its send began and ended (``time.monotonic_ns``)."""
 
-    __slots__ = ("steps", "ticket", "sending", "sent_at")
+    __slots__ = ("steps", "ticket", "sending", "sent")
 
     def __init__(self, steps: list[Step], ticket: Any, sending: int):
         self.steps = steps
         self.ticket = ticket
         self.sending = sending
-        self.sent_at = time.monotonic()
+        self.sent = time.monotonic_ns()
+
+    @property
+    def sent_at(self) -> float:
+        """When it was sent, on ``time.monotonic``'s scale."""
+        return self.sent / 1e9
 
     @property
     def numbers(self) -> range:
@@ -199,7 +204,7 @@ class Window:
         for step in steps:
             step.message = None
         parcel = Parcel(steps, ticket, sending)
-        self.send_ns += int(parcel.sent_at * 1e9) - sending
+        self.send_ns += parcel.sent - sending
         for step in steps:
             step.parcel = parcel
         self._sent.append(parcel)
@@ -238,8 +243,8 @@ class Window:
             with _interrupts_deferred(), self._lock:
                 self._sent.popleft()
                 parcel.ticket = None
-                self.log.append((parcel.steps[0].number, len(parcel.steps), parcel.sending,
-                                 int(parcel.sent_at * 1e9), time.monotonic_ns()))  # fmt: skip
+                self.log.append((parcel.steps[0].number, len(parcel.steps), parcel.sending, parcel.sent,
+                                 time.monotonic_ns()))  # fmt: skip
                 for step, value in zip(parcel.steps, values):
                     step._value, step.done = value, True
                 self.completed = parcel.steps[-1].number + 1

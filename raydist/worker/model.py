@@ -118,7 +118,7 @@ class ModelService:
         this rank's local results of each if the driver reads them, else None. A step that
         fails says which it was (its number), so the driver names it."""
         results = []
-        log, clock = self.log, time.monotonic_ns
+        log, clock, mode = self.log, time.monotonic_ns, self.runner.mode  # a message's steps share a mode
         try:
             for number, message in enumerate(parcel.steps, parcel.first):
                 asked = clock()
@@ -127,7 +127,7 @@ class ModelService:
                     batch = data.take(message) if isinstance(message, LoaderStep) else None
                     fed = clock() if batch is not None else asked  # a driver batch is there already
                     results.append(self.step(message, batch))
-                    log.add(number, self.runner.mode, asked, fed, clock())
+                    log.add(number, mode, asked, fed, clock())
                     self.next_step = number + 1
                 except Exception as e:
                     e.raydist_step = number
