@@ -2,38 +2,42 @@
 
     python -m bench.reference NAME STEPS
 
-Builds the model unsharded (the quickstart MLP, which always shards, on a
-one-process mesh: its parameters start as on any mesh, since the layers are
-made, then sharded), trains it in dygraph with the same optimizer on the same
-global batches, and prints the losses as JSON.
+Builds the model unsharded (`bench.models.plain_layer`), trains it in dygraph with the same
+optimizer on the same global batches, and prints the losses as JSON.
 """
+
+from __future__ import annotations
 
 import json
 import sys
 
 
-def main(name: str, steps: int) -> None:
+def adamw(params):
+    """The optimizer of every benchmark run."""
     import paddle
-    import paddle.distributed as dist
+
+    return paddle.optimizer.AdamW(1e-3, parameters=params)
+
+
+def one_process(name: str, steps: int, optimizer=adamw) -> tuple[list[float], dict]:
+    """``steps`` steps of ``name`` in this process: the losses and the final parameters (numpy)."""
+    import paddle
 
     from bench import models
 
-    if models.MODELS[name][0] == "mlp":  # the quickstart's MLP always shards: on one process
-        layer = models.build_layer(name, dist.ProcessMesh([[0]], dim_names=models.MODELS[name][2]))
-    elif models.MODELS[name][0] == "wide":
-        layer = models.Wide(None)
-    else:
-        layer = models.GPT(None)
-    optimizer = paddle.optimizer.AdamW(1e-3, parameters=layer.parameters())
-    loss_fn = models.loss(name)
-    losses = []
+    layer = models.plain_layer(name)
+    opt, loss_fn, losses = optimizer(layer.parameters()), models.loss(name), []
     for x, y in models.data(name, steps):
         loss = loss_fn(layer(paddle.to_tensor(x)), paddle.to_tensor(y))
         loss.backward()
-        optimizer.step()
-        optimizer.clear_grad()
+        opt.step()
+        opt.clear_grad()
         losses.append(float(loss))
-    print("RESULT " + json.dumps({"losses": losses}), flush=True)
+    return losses, {k: v.numpy() for k, v in layer.state_dict().items()}
+
+
+def main(name: str, steps: int) -> None:
+    print("RESULT " + json.dumps({"losses": one_process(name, steps)[0]}), flush=True)
 
 
 if __name__ == "__main__":

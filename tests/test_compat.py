@@ -310,6 +310,61 @@ def test_collectives_defect_cpu_send_and_recv_kernels_are_stubs():
     assert "Do not support send for cpu kernel now" in out and "Do not support recv for cpu kernel now" in out, out
 
 
+MEAN_OVER_A_SPLIT_DIM = """
+import numpy as np, paddle, paddle.distributed as dist
+from paddle.static import InputSpec
+mesh = dist.ProcessMesh([0, 1], dim_names=["mp"])
+
+class Net(paddle.nn.Layer):  # its output split on "mp", then a mean over that dim: Partial(avg)
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(4, 6)
+        self.fc.weight.set_value(np.arange(24, dtype="float32").reshape(4, 6) / 24)
+        self.fc.bias.set_value(np.zeros(6, "float32"))
+        self.fc.weight = dist.shard_tensor(self.fc.weight, mesh, [dist.Shard(1)])
+        self.fc.bias = dist.shard_tensor(self.fc.bias, mesh, [dist.Shard(0)])
+
+    def forward(self, x):
+        return self.fc(x).mean(-1, keepdim=True)
+
+net = Net()
+spec = [[InputSpec([2, 4], "float32", "x")], [InputSpec([2, 1], "float32", "y")]]
+dm = dist.to_static(net, None, paddle.nn.MSELoss(), paddle.optimizer.SGD(0.1, parameters=net.parameters()),
+                    input_spec=spec)
+dm.train()
+x = paddle.to_tensor(np.arange(8, dtype="float32").reshape(2, 4))
+print("avg all_reduce:", "reduce_type:4" in str(dm.dist_main_program()).replace(" ", ""), flush=True)
+print("loss:", float(dm(x, paddle.ones([2, 1]))), flush=True)
+"""
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_collectives_defect_gloo_has_no_average(tmp_path, monkeypatch):
+    """Behind raydist_all_reduce's average: a mean over a dim split on "mp" all-reduces with
+    reduce type avg, which Paddle's gloo refuses; raydist's op sums and divides, and the loss is
+    one process's."""
+    import io
+
+    from raydist.launch import launch
+
+    script = tmp_path / "mean.py"
+    script.write_text(MEAN_OVER_A_SPLIT_DIM)
+    x, w = np.arange(8, dtype="float32").reshape(2, 4), np.arange(24, dtype="float32").reshape(4, 6) / 24
+    expected = float((((x @ w).mean(-1, keepdims=True) - 1) ** 2).mean())
+    for disabled in ("collectives", ""):
+        monkeypatch.setenv(compat.DISABLE_ENV, disabled)
+        out, err = io.StringIO(), io.StringIO()
+        status = launch(str(script), [], 2, stdout=out, stderr=err)
+        assert "[rank 0] avg all_reduce: True" in out.getvalue(), (out.getvalue(), err.getvalue()[-3000:])
+        if disabled:
+            assert status != 0 and "Unsupported reduce type: 4" in err.getvalue(), err.getvalue()[-3000:]
+        else:
+            assert status == 0, err.getvalue()[-3000:]
+            for rank in range(2):
+                loss = float(out.getvalue().split(f"[rank {rank}] loss: ")[1].split()[0])
+                assert loss == pytest.approx(expected, rel=1e-6), (loss, expected)
+
+
 def test_stages_defect_resharding_another_stages_parameter_segfaults_on_cpu():
     """Behind raydist.compat.stages: core.reshard of a tensor on a mesh without this
     process (what init_pir does with every other stage's parameter) kills the process."""

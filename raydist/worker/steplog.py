@@ -97,7 +97,8 @@ class Exporter:
                 continue
             steps.inc(new, tags=self.tags)
             for part, ns in (("data_wait", data), ("step", step), ("collectives", comm)):
-                seconds.inc(ns / 1e9, tags={**self.tags, "part": part})
+                if ns > 0:  # a Counter refuses 0 (driver batches never wait for data)
+                    seconds.inc(ns / 1e9, tags={**self.tags, "part": part})
                 mean.set(ns / 1e9 / new, tags={**self.tags, "part": part})
 
     def stop(self) -> None:

@@ -22,16 +22,34 @@ using raydist::Dense;
 using raydist::Ring;
 using raydist::Timed;
 
+// phi::ReduceType::kRedAvg. Paddle's gloo has no average ("Unsupported reduce
+// type: 4", gloo_utils.h); auto-parallel asks for one where a mean runs over a
+// sharded dim (Partial(avg)). It is a sum, then a division by the ring's size.
+constexpr int kRedAvg = 4;
+
+void ReduceInto(paddle::Tensor& out, const paddle::Tensor& x, int ring_id, int reduce_type) {  // NOLINT
+  auto* ring = Ring(ring_id);
+  {
+    Timed timed(raydist::kAllReduce, ring_id);
+    ring->AllReduce(Dense(out), *Dense(x), reduce_type == kRedAvg ? 0 : reduce_type);
+  }
+  if (reduce_type != kRedAvg) return;
+  const int64_t n = out.numel();
+  PD_DISPATCH_FLOATING_TYPES(out.type(), "raydist_all_reduce (avg)", ([&] {
+    auto* data = out.data<data_t>();
+    const auto size = static_cast<data_t>(ring->GetSize());
+    for (int64_t i = 0; i < n; ++i) data[i] /= size;
+  }));
+}
+
 std::vector<paddle::Tensor> AllReduce(const paddle::Tensor& x, int ring_id, int reduce_type) {
   auto out = paddle::empty(x.shape(), x.dtype(), x.place());
-  Timed timed(raydist::kAllReduce, ring_id);
-  Ring(ring_id)->AllReduce(Dense(out), *Dense(x), reduce_type);
+  ReduceInto(out, x, ring_id, reduce_type);
   return {out};
 }
 
 void AllReduceInplace(paddle::Tensor& x, int ring_id, int reduce_type) {  // NOLINT
-  Timed timed(raydist::kAllReduce, ring_id);
-  Ring(ring_id)->AllReduce(Dense(x), *Dense(x), reduce_type);
+  ReduceInto(x, x, ring_id, reduce_type);
 }
 
 std::vector<paddle::Tensor> AllGather(const paddle::Tensor& x, int ring_id, int nranks) {
