@@ -514,15 +514,18 @@ def main(argv=None) -> None:
 
 
 def _ray_cpus(args) -> int:
-    """Logical CPUs of the bench's local Ray. ``small`` and ``profile`` get what raydist would start for
-    their largest model (what a user gets): more would let Ray Data start a worker process per
+    """Logical CPUs of the bench's local Ray. ``small``, ``paired`` and ``profile`` get what raydist would
+    start for their largest model (what a user gets), times the models ``paired`` keeps alive: more would let Ray Data start a worker process per
     logical CPU, whose idle polling takes CPU from every runner alike. The other commands start
     groups of many light ranks, so 32."""
     if args.what in ("small", "paired", "profile"):
         from bench.models import world_size
         from raydist.driver.connect import local_num_cpus
 
-        return local_num_cpus(max(world_size(n) for n in args.models.split(",")), 1)
+        alive = 1  # raydist models alive at once: paired keeps one more with each extra runner
+        if args.what == "paired":
+            alive += args.record_off + ("every step" in args.reads.split(","))
+        return local_num_cpus(alive * max(world_size(n) for n in args.models.split(",")), 1)
     return max(32, os.cpu_count() or 1)
 
 

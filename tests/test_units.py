@@ -993,3 +993,24 @@ def test_a_drain_watch_that_cannot_read_the_cluster_says_so_once_and_once_that_i
     assert said[1] == "raydist: the cluster's state reads again: preemption notices are acted on"
     assert "GCS unavailable" in said[2] and said[3] == said[1]
     assert watch.notice(["n1"]) == drains.Notice(frozenset({"n1"}), None)
+
+
+def test_a_ranks_metrics_go_on_when_a_part_of_its_steps_took_no_time(ray_session, monkeypatch):
+    """Driver batches never wait for data: a 0-second part is not counted (Ray's Counter refuses
+    0), and the exporting thread goes on to the next interval."""
+    import time
+
+    from raydist.worker import steplog
+
+    monkeypatch.setattr(steplog, "EXPORT_S", 0.02)
+    log = steplog.StepLog()
+    exporter = steplog.Exporter(log, "units", 0)
+    try:
+        for number in range(3):
+            log.add(number, "train", 100, 100, 200)  # asked and fed at once
+            deadline = time.monotonic() + 10
+            while exporter.exported <= number and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert exporter.exported == number + 1, "the export of an interval with no data wait failed"
+    finally:
+        exporter.stop()

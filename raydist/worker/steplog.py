@@ -72,6 +72,7 @@ class Exporter:
 
     def __init__(self, log: StepLog, model: str, rank: int):
         self.log, self.tags = log, {"model": model, "rank": str(rank)}
+        self.exported = 0  # intervals exported so far
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raydist-metrics", daemon=True)
         self._thread.start()
@@ -100,6 +101,7 @@ class Exporter:
                 if ns > 0:  # a Counter refuses 0 (driver batches never wait for data)
                     seconds.inc(ns / 1e9, tags={**self.tags, "part": part})
                 mean.set(ns / 1e9 / new, tags={**self.tags, "part": part})
+            self.exported += 1
 
     def stop(self) -> None:
         self._stopped.set()
