@@ -31,7 +31,7 @@ def attach(name: str, loader: ShardDataloader | None = None, take_over: bool = F
     An unknown name is a LookupError listing the detached models there are. ``dm.shutdown()`` ends
     the model; a driver that ends without it lets go of the model, for the next ``attach``.
     """
-    from .driver.detached import attach as _attach
+    from .driver.model import attach as _attach
 
     return _attach(name, loader, take_over)
 

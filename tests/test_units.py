@@ -662,6 +662,10 @@ BENCH_FORMS = {
                                                 reads="never,every 10,every step"),
     "paired --models wide-mp2 --rounds 30 --reads never": dict(what="paired", models="wide-mp2", rounds=30,
                                                                reads="never"),
+    "paired --models mlp-mp2,block-mp2,gptblock-mp2,llama-dp2xmp2 --rounds 10": dict(
+        what="paired", models="mlp-mp2,block-mp2,gptblock-mp2,llama-dp2xmp2", rounds=10),
+    "paired --models wide-mp2 --rounds 10 --reads never": dict(what="paired", models="wide-mp2", rounds=10,
+                                                               reads="never"),
 }
 
 
@@ -1014,3 +1018,52 @@ def test_a_ranks_metrics_go_on_when_a_part_of_its_steps_took_no_time(ray_session
             assert exporter.exported == number + 1, "the export of an interval with no data wait failed"
     finally:
         exporter.stop()
+
+
+def _import_graph(package: str) -> dict[str, set[str]]:
+    """``package``'s modules and the package modules each imports: every import, lazy ones
+    inside functions too, but those under ``if TYPE_CHECKING:``."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in (root / package).rglob("*.py")}  # fmt: skip
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}  # fmt: skip
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        graph[name] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module  # fmt: skip
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            # a module importing the package it is in runs that package's __init__: not an edge back
+            graph[name] |= {t for t in targets if t in files and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+@pytest.mark.parametrize("package", ["raydist"])
+def test_no_import_circles(package):
+    """Imports flow one way: no module reaches itself through others (lazy imports count)."""
+    graph = _import_graph(package)
+    circles = []
+
+    def visit(module, path, seen):
+        for nxt in graph[module]:
+            if nxt == path[0]:
+                circles.append(path + [nxt])
+            elif nxt not in seen and nxt > path[0]:  # each circle found once, from its smallest module
+                seen.add(nxt)
+                visit(nxt, path + [nxt], seen)
+
+    for start in sorted(graph):
+        visit(start, [start], {start})
+    assert not circles, "\n".join(" -> ".join(c) for c in circles[:10])

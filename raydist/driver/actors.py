@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +76,16 @@ DETACHED_NAMESPACE = "raydist"
 def _remote(actor_class: type[Member]):
     """``actor_class`` as a Ray actor class (with its concurrency groups)."""
     return ray.remote(concurrency_groups=actor_class.concurrency_groups)(actor_class)
+
+
+# a rank's actor is named "<group>-rank-<i>", a spare's "<group>-spare-<n>" (`RankGroup`, `SparePool`)
+RANK_NAME = re.compile(r"^(?P<group>.+)-(rank|spare)-(?P<rank>\d+)$")
+
+
+def is_member_of(actor_name: str, group: str) -> bool:
+    """Whether ``actor_name`` names a rank or spare of ``group``."""
+    match = RANK_NAME.match(actor_name)
+    return match is not None and match["group"] == group
 
 
 def start_actor(cfg: GroupConfig, name: str, rank: int, world_size: int, scheduling_strategy: Any = None):

@@ -38,14 +38,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from .actors import DETACHED_NAMESPACE, GroupConfig
+from .actors import DETACHED_NAMESPACE, GroupConfig, is_member_of
 from .cluster_state import ended_jobs, through_client
 
 if TYPE_CHECKING:
     from .elastic import Sizes
     from .inputs import InputSpecs
     from .lifecycle import Dispatch
-    from .model import DistModel
 
 log = logging.getLogger("raydist")
 
@@ -272,11 +271,24 @@ def _held_by(record: Any) -> str:
     return f"held by {holder}" if holder is not None else "held by no live driver"
 
 
-def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
-    """The live `DistModel` of the detached model ``name`` (see `raydist.attach`)."""
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a driver that claimed a detached model goes on from: its hold, the model as the driver
+    before left it, and that driver if it was taken over from a live one (None: nobody held it)."""
+
+    hold: Hold
+    snapshot: Snapshot
+    actors: list
+    pg: Any
+    rate: Any
+    before: Holder | None
+
+
+def claim(name: str, take_over: bool = False) -> Claim:
+    """Hold the detached model ``name`` for this driver (see `raydist.attach`): `ModelHeldError` if
+    a live driver holds it and not ``take_over``; a silent Ray Client holder is waited for."""
     from .. import pickling
     from .connect import connect_to_cluster
-    from .model import DistModel
 
     connect_to_cluster(f"attach to the detached model {name!r}")
     record = find(name)
@@ -293,14 +305,7 @@ def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
         _wait_let_go(record, before)
         log.warning("raydist: took the detached model %r over from %s", name, before)
     blob, actors, pg, rate = ray.get(record.read.remote())  # as the driver before left it
-    snapshot = pickling.loads(blob)
-    dm = DistModel._attached(Hold(name, record, me), snapshot, actors, pg, rate, loader)
-    life = dm._life
-    if before is None:
-        life.events.emit("attach", life.step(), holder=str(me))
-    else:
-        life.events.emit("take_over", life.step(), holder=str(me), **{"from": str(before)})
-    return dm
+    return Claim(Hold(name, record, me), pickling.loads(blob), actors, pg, rate, before)
 
 
 def _wait_silent(record: Any, name: str, holder: Holder) -> bool:
@@ -356,8 +361,6 @@ def stop(name: str, force: bool = False) -> None:
 def kill_named(group: str, namespace: str | None, actors: list = ()) -> int:
     """Kill ``actors`` and every actor named as a rank or spare of ``group`` (in ``namespace``; None:
     any); how many."""
-    from .status import is_member_of
-
     actors = list(actors)
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if is_member_of(entry["name"], group) and namespace in (None, entry["namespace"]):

@@ -511,3 +511,17 @@ def to_static(
     """
     metrics = kwargs.pop("metrics", None)
     return DistModel(layer, loader, loss, optimizer, strategy, metrics, input_spec, **kwargs)
+
+
+def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
+    """The live `DistModel` of the detached model ``name`` (see `raydist.attach`)."""
+    from .detached import claim
+
+    held = claim(name, take_over)
+    dm = DistModel._attached(held.hold, held.snapshot, held.actors, held.pg, held.rate, loader)
+    life = dm._life
+    if held.before is None:
+        life.events.emit("attach", life.step(), holder=str(held.hold.holder))
+    else:
+        life.events.emit("take_over", life.step(), holder=str(held.hold.holder), **{"from": str(held.before)})
+    return dm

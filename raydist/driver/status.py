@@ -16,16 +16,12 @@ now, its record says (`raydist.driver.detached`).
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from typing import Any
 
 import ray
 
-from .actors import DETACHED_NAMESPACE
-
-_RANK_NAME = re.compile(r"^(?P<group>.+)-(rank|spare)-(?P<rank>\d+)$")
-
+from .actors import DETACHED_NAMESPACE, RANK_NAME
 
 @dataclasses.dataclass(frozen=True)
 class RankStatus:
@@ -109,7 +105,7 @@ def _survey(timeout_s: float) -> tuple[list[RankStatus], dict[str, dict[str, Any
     found: dict[str, dict[str, Any]] = {}
     refs = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        match = _RANK_NAME.match(entry["name"])
+        match = RANK_NAME.match(entry["name"])
         if not match:
             continue
         try:
@@ -147,12 +143,6 @@ def _survey(timeout_s: float) -> tuple[list[RankStatus], dict[str, dict[str, Any
     for entry in found.values():
         entry["ranks"] = sorted(entry["ranks"])
     return sorted(out, key=lambda s: (s.group, s.rank)), {g: e for g, e in found.items() if e["ranks"]}
-
-
-def is_member_of(actor_name: str, group: str) -> bool:
-    """Whether ``actor_name`` names a rank or spare of ``group``."""
-    match = _RANK_NAME.match(actor_name)
-    return match is not None and match["group"] == group
 
 
 def _holder(name: str) -> str | None:
