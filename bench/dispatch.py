@@ -29,8 +29,8 @@ import numpy as np
 import ray
 
 import raydist
-from raydist.driver import model as driver_model
-from raydist.driver.actors import GroupConfig
+from raydist.driver.api import model as driver_model
+from raydist.driver.cluster.config import GroupConfig
 from raydist.messages import BuildReport, StepResults
 from raydist.protocol import RankActor
 from raydist.topology import Layout, Mesh, ModePlan

@@ -55,9 +55,9 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = Tr
 
     import raydist
     from bench import models
-    from bench.run import RANK_ENV
+    from bench.common import RANK_ENV
 
-    from raydist.driver.lifecycle import Lifecycle
+    from raydist.driver.lifecycle.lifecycle.lifecycle import Lifecycle
 
     salvage = Lifecycle._salvage
     if not survivors:

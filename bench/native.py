@@ -1,6 +1,6 @@
 """One rank of the *native* runner: plain multi-process Paddle, as `paddle.distributed.launch` runs it.
 
-Started by bench/run.py once per rank with launch's environment. Builds Paddle's
+Started by bench/common.py once per rank with launch's environment. Builds Paddle's
 own DistModel over Paddle's own ``shard_dataloader`` (a ``paddle.io.DataLoader``
 of the benchmark rows), with raydist.compat applied since plain Paddle cannot
 run on CPU: the comparison measures what the orchestration costs. Prints the
@@ -29,7 +29,7 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool
     import paddle.distributed as dist
 
     from bench import models
-    from bench.run import machine_cpu
+    from bench.common import machine_cpu
     from raydist import compat
     from raydist.compat import executor as compat_executor
 

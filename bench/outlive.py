@@ -29,7 +29,7 @@ import time
 
 from raydist.net import free_port
 
-from .run import ROOT
+from .common import ROOT
 
 SCRIPT = """
 import json, os, sys, time
@@ -95,7 +95,7 @@ class _Head:
 def _driver(head: _Head, directory: str, name: str, steps: int, every: int, hang: int) -> tuple[subprocess.Popen, float]:
     env = {**os.environ, "RAY_ADDRESS": head.address, "RAY_AUTH_MODE": "disabled", "CKPT_DIR": directory,
            "PYTHONPATH": str(ROOT)}  # fmt: skip
-    code = "from bench.run import RANK_ENV\n" + textwrap.dedent(SCRIPT)
+    code = "from bench.common import RANK_ENV\n" + textwrap.dedent(SCRIPT)
     started = time.time()
     process = subprocess.Popen([sys.executable, "-c", code, name, str(steps), str(every), str(hang)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))  # fmt: skip
@@ -189,7 +189,7 @@ dm.shutdown()
 
 def _attach_driver(head: _Head, phase: str, name: str, steps: int, before: int) -> tuple[subprocess.Popen, float]:
     env = {**os.environ, "RAY_ADDRESS": head.address, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    code = "from bench.run import RANK_ENV\n" + textwrap.dedent(ATTACH_SCRIPT)
+    code = "from bench.common import RANK_ENV\n" + textwrap.dedent(ATTACH_SCRIPT)
     started = time.time()
     process = subprocess.Popen([sys.executable, "-c", code, phase, name, str(steps), str(before)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))  # fmt: skip

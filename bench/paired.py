@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from bench.run import machine_cpu
+from bench.common import machine_cpu
 from raydist.worker.steplog import RECORD_ENV
 from bench.small import EVERY, rotated
 
@@ -62,7 +62,7 @@ class Native:
     """bench/native.py's ranks, warm, running N steps whenever told."""
 
     def __init__(self, name: str, warmup: int, feed: str):
-        from bench.run import start_native
+        from bench.common import start_native
 
         self._log = tempfile.TemporaryFile("w+")  # not a pipe: nobody reads it until a rank fails
         self.procs = start_native(name, [str(warmup), "64", feed, "--chunked"], stdin=subprocess.PIPE,
@@ -103,14 +103,13 @@ class Raydist:
     """One raydist model through its loader, the loop going on chunk after chunk."""
 
     def __init__(self, name: str, warmup: int, total_steps: int, env_vars: dict | None = None):
-        import ray
 
-        from bench.run import _raydist, bench_loader, memory_dataset
+        from bench.common import raydist_model, bench_loader, memory_dataset
 
         loader = bench_loader(name, memory_dataset(name, warmup + total_steps))
-        self.dm = _raydist(name, loader, env_vars=env_vars)
+        self.dm = raydist_model(name, loader, env_vars=env_vars)
         self._batches = iter(loader())
-        self.pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in self.dm._client.group.actors])
+        self.pids = [r.pid for r in self.dm.ranks]
         for _ in range(warmup):
             self.dm(*self._next())
         self.dm.wait()
@@ -146,9 +145,12 @@ class RayFloor:
                     time.sleep(hold_s)
                 return 0.0
 
+            def pid(self) -> int:
+                return os.getpid()
+
         self.hold_s = hold_s
         self.actors = [Idle.remote(), Idle.remote()]
-        self.pids = ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in self.actors])
+        self.pids = ray.get([a.pid.remote() for a in self.actors])
 
     def chunk(self, steps: int) -> dict:
         import ray

@@ -19,7 +19,7 @@ MODELS = ["gpt-dp2", "gpt-mp2", "gpt-pp2"]
 
 def pipeline_table(steps: int, warmup: int, repeat: int) -> str:
     from bench.models import MODELS as ALL
-    from bench.run import run_raydist_batches, run_reference
+    from bench.common import run_raydist_batches, run_reference
 
     runs: dict[str, list[dict]] = {name: [] for name in MODELS}
     for _ in range(repeat):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import subprocess
 import tempfile
 import threading
@@ -124,13 +123,12 @@ def record(pid: int, seconds: float) -> collections.Counter:
 
 
 def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Counter, collections.Counter, int]:
-    import ray
 
-    from bench.run import _raydist, bench_loader, memory_dataset
+    from bench.common import bench_loader, memory_dataset, on_ranks, raydist_model
 
     loader = bench_loader(name, memory_dataset(name, 20_000))
     done, stop = [0], threading.Event()
-    with _raydist(name, loader) as dm:
+    with raydist_model(name, loader) as dm:
         def loop():
             for i, batch in enumerate(loader()):
                 loss = dm(batch["x"], batch["y"])
@@ -145,11 +143,10 @@ def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Cou
         thread.start()
         while done[0] < 200:  # built and warm
             time.sleep(0.1)
-        rank0 = dm._client.group.actors[0]
-        pid = ray.get(rank0.__ray_call__.remote(lambda self: os.getpid()))
-        ray.get(rank0.__ray_call__.remote(lambda self: self.model.take_starts()))
+        pid = dm.ranks[0].pid
+        on_ranks(dm, lambda rank: rank.model.take_starts(), [0])
         counts, cpu = measured(pid, seconds)
-        made = len(ray.get(rank0.__ray_call__.remote(lambda self: self.model.take_starts())))  # steps started
+        made = len(on_ranks(dm, lambda rank: rank.model.take_starts(), [0])[0])  # steps started
         stop.set()
         thread.join()
     return counts, cpu, made
@@ -157,7 +154,7 @@ def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Cou
 
 def native_loop(name: str, seconds: float) -> tuple[collections.Counter, collections.Counter, int]:
     """Native, ideal feed: enough steps to outlast the recording; rank 0 recorded."""
-    from bench.run import start_native
+    from bench.common import start_native
 
     steps = int(seconds * 2000)  # more than it makes in twice the recording, at 1 ms a step
     procs = start_native(name, ["200", str(steps), "ideal"], env={"RAYDIST_BENCH_PROGRESS": "1"},

@@ -18,7 +18,7 @@ import signal
 import statistics
 import time
 
-from raydist.driver import group as group_module
+from raydist.driver.cluster import group as group_module
 
 # Time for the spares (started after the model) to start and import Paddle before the kill.
 SETTLE_S = 20.0
@@ -27,10 +27,10 @@ SETTLE_S = 20.0
 def restart_round(name: str, spares: int, steps: int = 4) -> dict:
     import raydist
     from bench import models
-    from bench.run import _raydist
+    from bench.common import raydist_model
 
     data = models.data(name, steps + 2)
-    dm = _raydist(name, spare_ranks=spares)
+    dm = raydist_model(name, spare_ranks=spares)
     try:
         for batch in data[:steps]:
             dm(*batch)

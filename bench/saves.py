@@ -55,7 +55,7 @@ def saves_table(names: list[str], steps: int, every: int, repeat: int) -> str:
 
     import raydist
     from bench import models
-    from bench.run import RANK_ENV
+    from bench.common import RANK_ENV
 
     rows = []
     for name in names:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import statistics
 
-from bench.run import _raydist, _timed_steps, bench_loader, machine_cpu, memory_dataset, per_step, run_native
+from bench.common import raydist_model, timed_steps, bench_loader, machine_cpu, memory_dataset, per_step, run_native
 
 EVERY = {"never": 0, "every 10": 10, "every step": 1}
 
 
-def run_raydist(name: str, warmup: int, steps: int, every: int, dispatch: str | None = None) -> dict:
+def runraydist_model(name: str, warmup: int, steps: int, every: int, dispatch: str | None = None) -> dict:
     loader = bench_loader(name, memory_dataset(name, warmup + steps))
     count = iter(range(1, 1 << 62))
 
@@ -42,8 +42,8 @@ def run_raydist(name: str, warmup: int, steps: int, every: int, dispatch: str | 
 
     import time
 
-    with _raydist(name, loader, dispatch=dispatch) as dm:
-        return _timed_steps(dm, loader(), warmup, time.time(), call)
+    with raydist_model(name, loader, dispatch=dispatch) as dm:
+        return timed_steps(dm, loader(), warmup, time.time(), call)
 
 
 def run_ray_floor(steps: int) -> dict:
@@ -90,10 +90,10 @@ def small_table(names: list[str], steps: int, warmup: int, repeat: int, reads: l
     runners = {"native, ideal": lambda n: run_native(n, warmup, steps, "ideal"),
                "native, DataLoader": lambda n: run_native(n, warmup, steps, "loader")}  # fmt: skip
     for read in reads:
-        runners[f"raydist, loss read {read}"] = lambda n, every=EVERY[read]: run_raydist(n, warmup, steps, every)
+        runners[f"raydist, loss read {read}"] = lambda n, every=EVERY[read]: runraydist_model(n, warmup, steps, every)
         if compiled:
             runners[f"raydist, loss read {read}, compiled graph"] = (
-                lambda n, every=EVERY[read]: run_raydist(n, warmup, steps, every, "compiled"))
+                lambda n, every=EVERY[read]: runraydist_model(n, warmup, steps, every, "compiled"))
     runners["Ray: an actor call to each of 2 actors that do nothing"] = lambda n: run_ray_floor(steps)
     rows = []
     for name in names:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from raydist.driver import group as group_module
+from raydist.driver.cluster import group as group_module
 
 
 def startup_table(repeat: int, name: str = "mlp-mp2") -> str:
@@ -23,7 +23,7 @@ def startup_table(repeat: int, name: str = "mlp-mp2") -> str:
 
     import raydist
     from bench import models
-    from bench.run import RANK_ENV
+    from bench.common import RANK_ENV
 
     rows, kind, size = [], models.MODELS[name][0], models.batch_size(name)
     for run in range(repeat):

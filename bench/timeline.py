@@ -43,12 +43,12 @@ def slow_steps() -> None:
 def timeline_table(name: str, steps: int, warmup: int, slow_rank: int | None, slow_ms: float, out: str) -> str:
     from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR  # as tests/faults.py passes a hook
 
-    from bench.run import _raydist, bench_loader, memory_dataset
+    from bench.common import raydist_model, bench_loader, memory_dataset
 
     env = {} if slow_rank is None else {WORKER_PROCESS_SETUP_HOOK_ENV_VAR: "bench.timeline.slow_steps",
                                         "RAYDIST_BENCH_SLOW_RANK": str(slow_rank), "RAYDIST_BENCH_SLOW_MS": str(slow_ms)}
     loader = bench_loader(name, memory_dataset(name, warmup + steps))
-    dm = _raydist(name, loader, env_vars=env)
+    dm = raydist_model(name, loader, env_vars=env)
     try:
         for i, batch in enumerate(loader(), 1):
             loss = dm(batch["x"], batch["y"])

@@ -10,11 +10,11 @@ switches modes, sends batches and gathers results::
 """
 
 from .data import Handle, ShardDataloader, shard_dataloader
-from .driver.detached import ModelHeldError
-from .driver.model import DistModel, to_static
-from .driver.runs import CheckpointInfo, latest_checkpoint
-from .driver.status import ModelStatus, RankStatus, models, status
-from .driver.steps import Loss
+from .driver.lifecycle.detached import ModelHeldError
+from .driver.api.model import DistModel, to_static
+from .driver.api.resume import CheckpointInfo, latest_checkpoint
+from .driver.api.status import ModelStatus, RankStatus, models, status
+from .driver.dispatch.window import Loss
 from .errors import GroupShutdownError, RankError, UsageError
 
 __version__ = "0.1.0"
@@ -31,7 +31,7 @@ def attach(name: str, loader: ShardDataloader | None = None, take_over: bool = F
     An unknown name is a LookupError listing the detached models there are. ``dm.shutdown()`` ends
     the model; a driver that ends without it lets go of the model, for the next ``attach``.
     """
-    from .driver.model import attach as _attach
+    from .driver.api.model import attach as _attach
 
     return _attach(name, loader, take_over)
 

@@ -70,7 +70,7 @@ def _connect(address: str | None, why: str) -> bool:
     """Connect to the cluster quietly; False (said on stderr) if there is none."""
     import ray
 
-    from .driver.connect import connect_to_cluster
+    from .driver.cluster.connect import connect_to_cluster
 
     logging.getLogger("ray").setLevel(logging.WARNING)  # Ray Client's "Passing the following kwargs..."
     try:
@@ -85,7 +85,7 @@ def _connect(address: str | None, why: str) -> bool:
 
 
 def status_command(opts: argparse.Namespace) -> int:
-    from .driver.status import models
+    from .driver.api.status import models
 
     if not _connect(opts.address, "list the raydist models of"):
         return 1
@@ -98,8 +98,8 @@ def status_command(opts: argparse.Namespace) -> int:
 
 
 def stop_command(opts: argparse.Namespace) -> int:
-    from .driver.detached import ModelHeldError, kill_named, stop
-    from .driver.status import models
+    from .driver.lifecycle.detached import ModelHeldError, kill_named, stop
+    from .driver.api.status import models
 
     if not _connect(opts.address, f"stop {opts.name!r} on"):
         return 1
@@ -126,14 +126,14 @@ def stop_command(opts: argparse.Namespace) -> int:
 
 
 def describe(event: dict) -> str:
-    """An event (`raydist.driver.events`) in a few words."""
+    """An event (`raydist.driver.watching.events`) in a few words."""
     shown = {k: v for k, v in event.items() if k not in ("kind", "time", "model") and v is not None}
     return f"{event['kind']} " + ", ".join(f"{k} {v}" for k, v in shown.items())
 
 
 def format_models(found: list) -> str:
     """``raydist status``'s table: a block per model, a line per rank."""
-    from .driver.status import ago
+    from .driver.api.status import ago
 
     if not found:
         return "no raydist models or launched scripts on this cluster"

@@ -105,7 +105,7 @@ class Member:
     @ray.method(concurrency_group=ASIDE)
     def describe(self, card: dict[str, Any]) -> None:
         """What the driver says of the group, for anyone who asks (`status`): its holder, sizes,
-        last checkpoint (`raydist.driver.status.ModelStatus`)."""
+        last checkpoint (`raydist.driver.api.status.ModelStatus`)."""
         self.card = card
 
     @ray.method(concurrency_group=ASIDE)
@@ -203,7 +203,7 @@ class RankActor(Member):
         results = self.model.run(unpack(parcel), self.data)
         return pack(results) if results is not None and results.nbytes <= INLINE_BYTES else results
 
-    # -- relayed messages (`raydist.driver.transport.TreeTransport`) ---------------
+    # -- relayed messages (`raydist.driver.dispatch.transport.TreeTransport`) ---------------
 
     def set_children(self, children: list) -> None:
         """The actors this rank passes each relayed message on to."""

@@ -46,7 +46,7 @@ if PHASE == "start":
     sys.stdin.readline()  # killed meanwhile
 elif PHASE == "attach":
     dm = raydist.attach(NAME)
-    say("stands", json.dumps({"mode": dm.mode, "workers": dm.num_workers, "step": dm._client.window.submitted,
+    say("stands", json.dumps({"mode": dm.mode, "workers": dm.num_workers, "step": dm.step,
                               "lr": dm.lr_scheduler.last_lr,
                               "ranks": sorted(s.pid for s in raydist.status() if s.group == NAME),
                               "events": [e["kind"] for e in dm.events()]}))  # fmt: skip
@@ -72,7 +72,7 @@ elif PHASE == "probe":
         say("lookup", e)
 elif PHASE == "take":
     dm = raydist.attach(NAME, take_over=True)
-    say("took", dm._client.window.submitted)
+    say("took", dm.step)
     say("events", json.dumps(dm.events()))
     sys.stdin.readline()
     dm(*DATA[10])

@@ -115,6 +115,27 @@ def scheduled_sgd(kind: str):
     return lambda params: paddle.optimizer.SGD(learning_rate=schedule(kind), parameters=params)
 
 
+def on_ranks(dm, fn) -> list:
+    """``fn(rank_actor)`` run inside each of ``dm``'s rank actors, for a test that reads a rank's own
+    state (a Paddle flag, say). Ray's ``__ray_call__`` is the only way to run a function inside a
+    live actor; raydist's ranks expose no such endpoint on purpose."""
+    return ray.get([a.__ray_call__.remote(fn) for a in dm._client.group.actors])
+
+
+def one_process_losses(epochs: int, rows: int = 48, batch_size: int = 8, shards: int = 2, seed: int = 3):
+    """The losses and final parameters of one plain process trained as the resumable runs train
+    (tests/resumable.py, tests/test_resume.py): `Pairs` shuffled with ``seed`` in ``shards`` data
+    shards, SGD with a step-decay schedule stepped every step."""
+    from models import Reference, global_batches
+
+    ref, expected = Reference(scheduled_sgd("step")), []
+    for epoch in range(epochs):
+        for x, y in zip(*global_batches(Pairs(rows), batch_size, shards, epoch, shuffle=True, seed=seed)):
+            expected.append(ref.train(x, y))
+            ref.opt._learning_rate.step()
+    return expected, ref.params()
+
+
 # -- driver processes -----------------------------------------------------------------------
 
 
@@ -169,7 +190,7 @@ def detached_story(env: dict, tmp_path) -> dict:
     it over: the holder's next call is refused and its shutdown leaves the ranks; the third's shutdown
     ends them. ``env``: the drivers' environment (``RAY_ADDRESS`` names the cluster, or ``ray://``).
     What the attaching driver found (``stands``) and the take-over's event (``took``)."""
-    from models import Reference, assert_close, batches
+    from models import Reference, assert_close, assert_params_equal, batches
 
     start = detached_driver(env, "start")
     before = json.loads(said(start, "losses"))
@@ -189,8 +210,7 @@ def detached_story(env: dict, tmp_path) -> dict:
         ref.opt._learning_rate.step()
     after = np.load(tmp_path / "after.npz")
     assert_close(before + list(after["losses"]), expected, what="losses")
-    for name, value in ref.params().items():
-        assert_close(after[name], value, what=name)
+    assert_params_equal(after, ref.params())
 
     probe = detached_driver(env, "probe")
     assert f"is held by the driver with pid {holder.pid} " in said(probe, "held")

@@ -171,6 +171,12 @@ class Reference:
 def assert_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6, what: str = "") -> None:
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol, err_msg=what)
 
+def assert_params_equal(params, expected: dict, **tolerance) -> None:
+    """Every parameter of ``expected`` (a reference's ``params()``: one plain process) in ``params``
+    (a model's ``state_dict("param")``, or any mapping of arrays), within float32 rounding."""
+    for name, value in expected.items():
+        assert_close(params[name], value, what=name, **tolerance)
+
 
 class Rows(paddle.io.Dataset):
     """``n`` rows {"x", "y"} of the MLP's shapes, the same in every process."""
@@ -189,16 +195,17 @@ class Rows(paddle.io.Dataset):
 def global_batches(dataset: Rows, batch_size: int, shards: int, epoch: int, shuffle: bool = False,
                    seed: int | None = None):  # fmt: skip
     """The global batches of one epoch as raydist's loader reads a paddle dataset in ``shards``
-    data shards (Paddle's DistributedBatchSampler, one per shard): shard by shard, in order."""
+    data shards (Paddle's DistributedBatchSampler, one per shard): shard by shard, in order. With a
+    ``seed``, epoch ``epoch`` is shuffled by its own stream of numpy's SeedSequence([seed, epoch]), as
+    raydist documents its loader's shuffle (written here, not taken from raydist)."""
     from paddle.io import DistributedBatchSampler
 
-    from raydist.data.sources import shuffle_seed
-
+    order = epoch if seed is None else int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
     per_shard = []
     for s in range(shards):
         sampler = DistributedBatchSampler(dataset, batch_size=batch_size // shards, num_replicas=shards, rank=s,
                                           shuffle=shuffle, drop_last=True)  # fmt: skip
-        sampler.set_epoch(epoch if seed is None else shuffle_seed(seed, epoch))  # as raydist's loader seeds it
+        sampler.set_epoch(order)
         per_shard.append(list(sampler))
     return [np.concatenate([dataset.x[ids] for ids in step]) for step in zip(*per_shard)], \
         [np.concatenate([dataset.y[ids] for ids in step]) for step in zip(*per_shard)]
@@ -212,5 +219,4 @@ def assert_fit_like_one_process(losses, params, dataset: Rows, batch_size: int, 
         for x, y in zip(*global_batches(dataset, batch_size, shards, epoch, shuffle, seed)):
             expected.append(ref.train(x, y))
     assert_close(losses, expected)
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())

@@ -61,6 +61,19 @@ def test_inputs_and_labels_take_no_gradient():
                            num_workers=2) as dm:  # fmt: skip
         dm(*models.data("block-mp2", 1)[0])
         program = dm.dist_main_program("train")
+        assert_public_view(dm, steps=1)
     data = [line for line in program.splitlines() if '"pd_op.data"' in line and ('"input0"' in line or '"label0"' in line)]
     assert len(data) == 2 and all("stop_gradient:[true]" in line for line in data), data
     assert program.count("all_reduce") == 1, program
+
+
+def assert_public_view(dm, steps: int) -> None:
+    """`dm.ranks`, `dm.dispatch` and `dm.step`: what a user (or a test) sees of a model's ranks."""
+    import os
+
+    ranks = dm.ranks
+    assert [r.rank for r in ranks] == list(range(dm.num_workers)), ranks
+    assert len({r.pid for r in ranks}) == len(ranks) and os.getpid() not in {r.pid for r in ranks}
+    assert {(r.device, r.mode, r.step, r.kind) for r in ranks} == {("cpu", "train", steps, "model")}, ranks
+    assert all(r.node_id and r.node_ip and r.group for r in ranks), ranks
+    assert dm.dispatch == "calls" and dm.step == steps

@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raydist.driver.actors import GroupConfig
+from raydist.driver.cluster.config import GroupConfig
 
 CONFIG = Path(__file__).resolve().parent.parent / "cluster.yaml"
 

@@ -10,7 +10,7 @@ import pytest
 import raydist
 from helpers import DPMP_MESH as MESH
 from helpers import N, Pairs, Poisoned, dataset, rows
-from models import Reference, assert_close, build, sgd
+from models import Reference, assert_close, assert_params_equal, build, sgd
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
 
@@ -102,8 +102,7 @@ def test_training_through_the_loader_matches_single_process(tagger):
         batch = next(iter(loader()))
         assert_close(dm(batch["x"], batch["y"]), ref.eval(x[order[0]], y[order[0]]))
         params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
 
 
 def test_a_loop_that_reads_nothing_sends_the_next_epoch_while_the_ranks_still_run_this_one(tagger):
@@ -124,8 +123,7 @@ def test_a_loop_that_reads_nothing_sends_the_next_epoch_while_the_ranks_still_ru
         assert dm._client.window.messages < len(losses)  # the driver ran ahead
         assert_close(losses, expected)
         params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
 
 
 @pytest.mark.slow

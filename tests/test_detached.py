@@ -9,7 +9,7 @@ import ray
 
 import raydist
 from helpers import Pairs, scheduled_sgd
-from models import Reference, assert_close, batches, build, global_batches, sgd
+from models import Reference, assert_close, assert_params_equal, batches, build, global_batches, sgd
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -40,7 +40,7 @@ def test_attach_takes_over_a_loader_run_at_its_step_with_its_schedule_and_it_end
 
         second = loader(rows)
         again = raydist.attach("detached-loader", loader=second, take_over=True)
-        assert (again.mode, again.num_workers, again._client.window.submitted) == ("train", 2, 3)
+        assert (again.mode, again.num_workers, again.step) == ("train", 2, 3)
         assert again.lr_scheduler.last_lr == dm.lr_scheduler.last_lr == 0.05
         assert sorted(s.pid for s in raydist.status() if s.group == "detached-loader") == sorted(pids)
         with pytest.raises(raydist.GroupShutdownError, match="taken over by the driver with pid"):
@@ -57,11 +57,10 @@ def test_attach_takes_over_a_loader_run_at_its_step_with_its_schedule_and_it_end
             ref.opt._learning_rate.step()
         assert_close(before + after, expected)
         params = again.state_dict("param")
-        for name, value in ref.params().items():
-            assert_close(params[name], value, what=name)
+        assert_params_equal(params, ref.params())
     finally:
         (again or dm).shutdown()
-    assert "detached-loader" not in raydist.driver.detached.models()
+    assert "detached-loader" not in raydist.driver.lifecycle.detached.models()
     assert not [s for s in raydist.status() if s.group == "detached-loader"]
 
 
@@ -90,7 +89,7 @@ def test_attach_is_refused_while_held_names_the_models_there_are_and_keeps_eval_
         assert all(s.held_by is None for s in raydist.status() if s.group == "detached-eval")
 
         again = raydist.attach("detached-eval")
-        assert (again.mode, again._client.window.submitted) == ("eval", 3)
+        assert (again.mode, again.step) == ("eval", 3)
         ref = Reference(sgd())
         expected = [ref.train(x, y) for x, y in data[:3]]
         assert_close(losses, expected)
@@ -99,7 +98,7 @@ def test_attach_is_refused_while_held_names_the_models_there_are_and_keeps_eval_
         assert_close(again(data[3][0]), ref.predict(data[3][0]))
     finally:
         (again or dm).shutdown()
-    assert "detached-eval" not in raydist.driver.detached.models()
+    assert "detached-eval" not in raydist.driver.lifecycle.detached.models()
 
 
 def test_a_rank_lost_while_no_driver_held_the_model_starts_again_from_its_checkpoint(tmp_path):
@@ -119,7 +118,7 @@ def test_a_rank_lost_while_no_driver_held_the_model_starts_again_from_its_checkp
         ray.kill(dm._client.actor(1), no_restart=True)
 
         again = raydist.attach("detached-lost")
-        assert again._client.window.submitted == 2  # the checkpoint's step
+        assert again.step == 2  # the checkpoint's step
         for name, value in again.state_dict("param").items():
             np.testing.assert_array_equal(value, saved[name])
         ref = Reference(sgd())

@@ -13,7 +13,7 @@ from ray.util.placement_group import placement_group_table
 
 import raydist
 from helpers import schedule, wait_gone
-from models import MLP, Reference, assert_close, batches, build, sgd
+from models import MLP, Reference, assert_close, assert_params_equal, batches, build, sgd
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own tasks here: workers cannot import tests/
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
@@ -42,7 +42,7 @@ def test_rank_failing_while_peers_wait_in_a_collective():
     """Rank 1 raises while building the program; rank 0 waits in a barrier and is torn down."""
     x, y = batches(1)[0]
     dm = raydist.to_static(build("dp", fail_on_rank=1), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    pids = list(dm._client.group.pids)
+    pids = [r.pid for r in dm.ranks]
     start = time.monotonic()
     with pytest.raises(raydist.RankError) as info:
         dm(x, y)
@@ -58,7 +58,7 @@ def test_killed_rank_surfaces_as_died(dispatch):
     data = batches(2)
     dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, dispatch=dispatch)
     float(dm(*data[0]))
-    pids = list(dm._client.group.pids)
+    pids = [r.pid for r in dm.ranks]
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     loss = dm(*data[1])  # returns at once: the step runs
@@ -158,7 +158,7 @@ def test_a_rank_killed_between_steps_is_a_rank_error_at_the_next_send_or_receive
     ref = Reference(sgd())
     dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, dispatch=dispatch)
     assert_close(dm(*data[0]), ref.train(*data[0]))
-    pids = list(dm._client.group.pids)
+    pids = [r.pid for r in dm.ranks]
     os.kill(pids[0], signal.SIGKILL)
     if when == "send":
         wait_noticed(dm, pids[0])
@@ -227,7 +227,7 @@ def _ref_the_driver_cannot_read():
 def test_every_ray_error_of_a_rank_call_is_a_rank_error_and_tears_the_group_down(make_ref, kind):
     """Not just RayTaskError and RayActorError: whatever Ray raises for a call's result."""
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    pids = list(dm._client.group.pids)
+    pids = [r.pid for r in dm.ranks]
     with pytest.raises(raydist.RankError) as info:
         dm._client.group.gather([make_ref()], "a test", ranks=[1])
     assert isinstance(info.value.__cause__, kind), repr(info.value.__cause__)
@@ -244,7 +244,7 @@ def test_a_bad_first_batch_is_refused_and_the_model_goes_on():
     x, y = batches(1)[0]
     ref = Reference(sgd())
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
-        pids = list(dm._client.group.pids)
+        pids = [r.pid for r in dm.ranks]
         with pytest.raises(raydist.UsageError, match="(?s)train program cannot be built.*Type promotion.*int64"):
             dm(x.astype("int64"), y)
         assert_close(dm(x, y), ref.train(x, y))  # the specs of the failed call are forgotten
@@ -292,7 +292,7 @@ def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_sto
             assert_close(dm(x, y), ref.train(x, y))
             dm.lr_scheduler.step()
             ref.opt._learning_rate.step()
-        pids = list(dm._client.group.pids)
+        pids = [r.pid for r in dm.ranks]
         os.kill(pids[1], signal.SIGKILL)
         wait_gone(pids[1:])
         with pytest.raises(raydist.RankError) as info:
@@ -309,8 +309,7 @@ def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_sto
             dm.lr_scheduler.step()
             ref.opt._learning_rate.step()
         params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
 
 
 @pytest.mark.slow
@@ -328,7 +327,7 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
         spare_pids = {pid for _, pid in ray.get([a.place.remote() for a in dm._life.spares._actors])}
         assert len(spare_pids) == 2 and not spare_pids & set(dm._client.group.pids)
         assert sorted(s.rank for s in raydist.status()) == [0, 1]  # spares are no ranks yet
-        pids = list(dm._client.group.pids)
+        pids = [r.pid for r in dm.ranks]
         os.kill(pids[1], signal.SIGKILL)
         wait_gone(pids[1:])
         with pytest.raises(raydist.RankError, match="step 3"):
@@ -344,8 +343,7 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
         assert [s.rank for s in ranks] == [0, 1] and {s.pid for s in ranks} == spare_pids
         assert len({s.group for s in ranks}) == 1  # one group, though the spares were named by the pool
         new_spares = {pid for _, pid in ray.get([a.place.remote() for a in dm._life.spares._actors])}
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
     wait_gone(list(spare_pids | new_spares))
     with pytest.raises(ValueError, match="spare_ranks"):
         raydist.to_static(build("dp"), num_workers=2, spare_ranks=-1)

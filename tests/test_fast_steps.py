@@ -4,10 +4,10 @@ a step uses can change under it."""
 import numpy as np
 import paddle
 import pytest
-import ray
 
 import raydist
-from models import Reference, Rows, adamw, assert_close, assert_fit_like_one_process, batches, build
+from helpers import on_ranks
+from models import Reference, Rows, adamw, assert_close, assert_params_equal, assert_fit_like_one_process, batches, build
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -24,8 +24,8 @@ def train_through_the_loader(kind: str, n: int, data: Rows, env: dict) -> tuple[
         losses = [dm(b["x"], b["y"]) for epoch in range(2) for b in loader.epoch(epoch)]
         losses = [float(loss) for loss in losses]
         flag = "FLAGS_new_executor_serial_run"
-        serial = [a.__ray_call__.remote(lambda rank: paddle.get_flags(flag)[flag]) for a in dm._client.group.actors]
-        assert ray.get(serial) == [env.get(flag, "1") == "1"] * n  # raydist's, unless the environment says
+        serial = on_ranks(dm, lambda rank: paddle.get_flags(flag)[flag])
+        assert serial == [env.get(flag, "1") == "1"] * n  # raydist's, unless the environment says
         return losses, dm.state_dict("param")
 
 
@@ -64,5 +64,4 @@ def test_a_batch_changed_after_it_was_sent_leaves_its_step_alone(dispatch):
             x_buf[...], y_buf[...] = np.nan, np.nan  # the step may not have run yet
         assert_close([float(loss) for loss in losses], expected)
         params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())

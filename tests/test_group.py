@@ -29,7 +29,7 @@ def test_named_actors_and_shutdown_by_with():
         for rank in range(2):
             status = ray.get(ray.get_actor(f"rdtest-rank-{rank}").status.remote())
             assert status["rank"] == rank and status["device"] == "cpu"
-        pids = list(dm._client.group.pids)
+        pids = [r.pid for r in dm.ranks]
     wait_gone(pids)
     assert placement_group_table(pg)["state"] == "REMOVED"
     with pytest.raises(ValueError):
@@ -50,7 +50,7 @@ def test_status_lists_the_live_ranks():
 
 def test_garbage_collection_shuts_the_group_down():
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    pids, pg = list(dm._client.group.pids), dm._client.group._pg
+    pids, pg = [r.pid for r in dm.ranks], dm._client.group._pg
     del dm
     gc.collect()  # the group goes down on a thread of its own (never inside a Ray call the collector interrupted)
     wait_gone(pids)
@@ -151,5 +151,5 @@ def test_the_driver_never_imports_worker_code(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = eval(out.stdout.strip().splitlines()[-1])
-    assert "raydist.driver.model" in loaded and "raydist.protocol" in loaded
+    assert "raydist.driver.api.model" in loaded and "raydist.protocol" in loaded
     assert not [m for m in loaded if m.startswith(("raydist.worker", "raydist.compat", "raydist.integrations"))]

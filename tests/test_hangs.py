@@ -10,7 +10,7 @@ import pytest
 
 import raydist
 from models import Reference, assert_close, batches, build, sgd
-from raydist.driver import watch as watch_module
+from raydist.driver.dispatch import hangs as watch_module
 from raydist.messages import Progress
 
 STEP_TIMEOUT_S = 3.0
@@ -28,7 +28,7 @@ def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch
     reference = Reference(sgd())
     dm = raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, dispatch=dispatch,
                            steps_per_message=steps_per_message, step_timeout_s=STEP_TIMEOUT_S)  # fmt: skip
-    pids = list(dm._client.group.pids)
+    pids = [r.pid for r in dm.ranks]
     try:
         losses = [dm(x, y) for _ in range(300)]  # auto: the messages grow to many steps
         assert_close([float(loss) for loss in losses], [reference.train(x, y) for _ in losses])
@@ -73,27 +73,39 @@ class _Group:
         return raydist.RankError(ranks[0], why, during=during)
 
 
+class Clock:
+    """A monotonic clock that moves only when told: the watch's decisions, timed exactly."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
 def quick(monkeypatch):
-    """A watch with a step limit of 0.3 s, looked at every 0.05 s."""
+    """A watch with a step limit of 0.3 s, looked at every 0.05 s, on a `Clock`."""
     monkeypatch.setattr(watch_module, "REPORT_GRACE_S", 0.0)
     monkeypatch.setattr(watch_module, "LOOK_MIN_S", 0.05)
     monkeypatch.setattr(watch_module, "LOOK_MAX_S", 0.05)
+    clock = Clock()
 
     def make(script):
         group = _Group(script)
         monkeypatch.setattr(watch_module, "ping_all", lambda actors, timeout: next(group.script))
-        return group, watch_module.Watch(group, 0.3)
+        return group, watch_module.Watch(group, 0.3, clock=clock)
 
-    return make
+    return make, clock
 
 
-def _slow_get(after_s):
-    began = time.monotonic()
+def _slow_get(clock, after_s):
+    """An answer ``after_s`` seconds of ``clock`` from now: each slice waited moves the clock on."""
+    began = clock()
 
     def get(timeout):
-        if time.monotonic() - began < after_s:
-            time.sleep(timeout)
+        if clock() - began < after_s:
+            clock.now += timeout
             raise TimeoutError
         return "answer"
 
@@ -103,29 +115,30 @@ def _slow_get(after_s):
 def test_a_message_longer_than_the_limit_whose_steps_move_on_is_not_hung(quick):
     # steps of 0.1 s each: the message takes 1 s, more than three limits
     steps = ([Progress(n, 0.1), Progress(n, 0.1)] for n in range(10_000))
-    group, watch = quick(steps)
-    assert watch.wait(_slow_get(1.0), "steps 0-9") == "answer"
-    assert group.failed is None
+    make, clock = quick
+    group, watch = make(steps)
+    assert watch.wait(_slow_get(clock, 1.0), "steps 0-9") == "answer"
+    assert group.failed is None and clock() == pytest.approx(1.0)
 
 
 def test_a_rank_in_one_step_past_the_limit_is_hung(quick):
-    began = time.monotonic()
-    group, watch = quick([Progress(4, time.monotonic() - began + 0.0), None] for _ in range(10_000))
+    make, clock = quick
+    group, watch = make([Progress(4, clock.now), None] for _ in range(10_000))  # in step 4 since the start
     with pytest.raises(raydist.RankError) as info:
-        watch.wait(_slow_get(60), "steps 0-63")
+        watch.wait(_slow_get(clock, 60), "steps 0-63")
     assert group.failed[0] == [0] and "in one step" in group.failed[1]
-    assert time.monotonic() - began < 2
+    assert clock() == pytest.approx(0.35)  # the first look past the limit of 0.3 s
     assert info.value.during == "steps 0-63"
 
 
 def test_a_silent_rank_is_named_once_silent_for_the_limit(quick):
     answers = ([Progress(4, 0.01), watch_module.NO_ANSWER] for _ in range(10_000))
-    group, watch = quick(answers)
-    began = time.monotonic()
+    make, clock = quick
+    group, watch = make(answers)
     with pytest.raises(raydist.RankError):
-        watch.wait(_slow_get(60), "step 4")
+        watch.wait(_slow_get(clock, 60), "step 4")
     assert group.failed[0] == [1] and "no answer from ranks [1]" in group.failed[1]
-    assert 0.3 <= time.monotonic() - began < 2
+    assert clock() == pytest.approx(0.35)  # silent since the start, past the limit at the first look after it
 
 
 def test_no_limit_waits_without_looking():

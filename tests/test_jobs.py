@@ -161,9 +161,18 @@ def _same_run(out: Path, calm: Path) -> None:
 
 @pytest.fixture(scope="module")
 def calm(head, tmp_path_factory):
-    """tests/resumable.py run through undisturbed: its losses and parameters."""
+    """tests/resumable.py run through undisturbed: its losses and parameters, which equal one plain process."""
+    import numpy as np
+
+    from helpers import one_process_losses
+    from models import assert_close, assert_params_equal
+
     tmp = tmp_path_factory.mktemp("calm")
     _finish(_resumable(head[2], tmp / "ck", tmp / "calm.npz"))
+    expected, params = one_process_losses(epochs=2)  # the calm run is held to one process too
+    got = np.load(tmp / "calm.npz")
+    assert_close(got["history"], expected, what="losses")
+    assert_params_equal(got, params)
     return tmp / "calm.npz"
 
 

@@ -4,7 +4,7 @@ import paddle
 import pytest
 
 import raydist
-from models import Reference, Rows, assert_close, build, sgd
+from models import Reference, Rows, assert_close, assert_params_equal, build, sgd
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -19,8 +19,7 @@ def test_a_paddle_dataloader_gives_the_specs_and_its_batches_train_like_one_proc
         losses = [dm(batch["x"], batch["y"]) for batch in loader]
         expected = [reference.train(rows.x[i:i + 8], rows.y[i:i + 8]) for i in range(0, 48, 8)]
         assert_close([float(loss) for loss in losses], expected)
-        for name, value in reference.params().items():
-            assert_close(dm.state_dict("param")[name], value, what=name)
+        assert_params_equal(dm.state_dict("param"), reference.params())
 
 
 def test_paddles_shard_dataloader_is_refused_saying_what_to_write_instead():

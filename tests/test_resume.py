@@ -9,8 +9,8 @@ import paddle
 import pytest
 
 import raydist
-from helpers import Pairs, scheduled_sgd
-from models import assert_close, build, build_chain
+from helpers import Pairs, one_process_losses, scheduled_sgd
+from models import assert_close, assert_params_equal, build, build_chain
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -69,6 +69,9 @@ def calm(ray_session, tmp_path_factory):
     found = raydist.latest_checkpoint(str(directory))
     assert found.finished and found.steps == 18 and found.path.endswith("step-00000018")
     assert_close(found.history, history, rtol=0, atol=0)
+    expected, params = one_process_losses(epochs=3)  # held to one process, not only to itself
+    assert_close(history, expected, what="losses")
+    assert_params_equal(state, params)
     return history, state
 
 

@@ -110,7 +110,7 @@ def test_a_save_killed_halfway_leaves_the_old_checkpoint_intact(tmp_path):
         dm.save(str(tmp_path / "old"))
     dm = dm_of("mp", 2, runtime_env=faults.hook("die_after_writing_on_rank_1"))  # mp: each rank writes a shard
     float(dm(x, y))
-    pids = list(dm._client.group.pids)
+    pids = [r.pid for r in dm.ranks]
     with pytest.raises(raydist.RankError) as info:
         dm.save(str(tmp_path / "new"))
     assert info.value.rank == 1 and info.value.died and info.value.during == "save_pieces"

@@ -11,8 +11,8 @@ import pytest
 import faults
 import raydist
 from helpers import DPMP_MESH, Poisoned, rows
-from raydist.driver.steps import Loss, Window
-from models import Reference, assert_close, batches, build, sgd
+from raydist.driver.dispatch.window import Loss, Window
+from models import Reference, assert_close, assert_params_equal, batches, build, sgd
 
 
 class Ranks:
@@ -177,8 +177,7 @@ def test_steps_run_ahead_and_match_single_process(dispatch):
         dm.predict()
         assert_close(dm(data[0][0]), ref.predict(data[0][0]))
         params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
 
 
 @pytest.mark.slow
@@ -212,8 +211,7 @@ def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_
         assert_close(losses, expected)
         assert dm._client.window.messages == 4
         params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
     # 0, 1-3 and 4-6: the death is inside a message
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            steps_per_message=3, runtime_env=faults.hook("die_in_step_5_on_rank_1")) as dm:  # fmt: skip
@@ -298,7 +296,7 @@ def test_ctrl_c_while_waiting_leaves_the_steps_running_and_the_model_usable(disp
     loader = raydist.shard_dataloader(data, mesh, shard_dims="dp", batch_size=8, prefetch=1)
     with raydist.to_static(build("dp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=2, max_in_flight=8,
                            dispatch=dispatch) as dm:  # fmt: skip
-        pids = list(dm._client.group.pids)
+        pids = [r.pid for r in dm.ranks]
         losses = [dm(*batch) for batch in loader()]  # five steps, all sent at once
         # a shell's background job ignores SIGINT, and Python then never raises KeyboardInterrupt
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)

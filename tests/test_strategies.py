@@ -14,7 +14,7 @@ from ray.util.placement_group import placement_group_table
 
 import raydist
 from raydist import strategy as raydist_strategy
-from models import MLP, Reference, adamw, assert_close, batches, build, sgd
+from models import MLP, Reference, adamw, assert_close, assert_params_equal, batches, build, sgd
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
 
@@ -23,8 +23,7 @@ def train_and_compare(dm, ref, data):
     for step, (x, y) in enumerate(data):
         assert_close(dm(x, y), ref.train(x, y), what=f"loss at step {step}")
     params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
 
 
 def merge(k: int, avg: bool) -> dist.Strategy:

@@ -7,7 +7,7 @@ import pytest
 
 import raydist
 from helpers import KillOnce, Pairs, scheduled_sgd, wait_gone
-from models import Reference, assert_close, batches, build
+from models import Reference, assert_close, assert_params_equal, batches, build
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]
 
@@ -36,8 +36,7 @@ def test_a_schedule_stepped_from_the_driver_equals_one_process(kind):
         assert len(set(rates)) > 2, rates  # the schedule did move
         assert_close([float(v) for v in losses], expected)
         params = dm.state_dict("param")
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
 
 
 def test_a_float_learning_rate_has_no_scheduler():
@@ -233,8 +232,7 @@ def test_fit_steps_the_schedule_every_step_and_callbacks_see_each_loss_and_learn
         params = dm.state_dict("param")
     expected, ref = reference_run(scheduled_sgd("step"), epochs=2)
     assert_close(history, expected)
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
     assert [b[1] for b in recorder.batches] == history and [b[0] for b in recorder.batches] == [0, 1, 2, 3] * 2
     assert [b[2] for b in recorder.batches] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025, 0.0125, 0.0125])
     assert recorder.events == ["train_begin", "epoch_begin 0", "epoch_end 0", "epoch_begin 1", "epoch_end 1",
@@ -280,8 +278,7 @@ def test_evaluation_in_the_middle_of_fit_leaves_training_unchanged():
             if len(expected) % 3 == 0:  # the evaluation loader's two batches of 8: the mean over its rows
                 evals.append(ref.eval(held_out.x, held_out.y))
     assert_close(runs[False][0], expected)
-    for name, value in ref.params().items():
-        assert_close(runs[False][1][name], value, what=name)
+    assert_params_equal(runs[False][1], ref.params())
     assert len(recorder.evals) == 2 and all(set(e) == {"loss"} for e in recorder.evals)  # after steps 3 and 6
     assert_close([e["loss"] for e in recorder.evals], evals)
 
@@ -329,8 +326,7 @@ def test_steps_replayed_after_a_lost_rank_are_reported_again_with_the_losses_and
     assert (tmp_path / "killed").exists()  # a rank did die
     expected, ref = reference_run(scheduled_sgd("step"), epochs=2, n=64)
     assert_close(history, expected)
-    for name, value in ref.params().items():
-        assert_close(params[name], value, what=name)
+    assert_params_equal(params, ref.params())
     rates = [0.1 * 0.5 ** (g // 2) for g in range(16)]  # StepDecay(0.1, step_size=2, gamma=0.5), stepped per step
     reports = recorder.batches  # (step in its epoch, loss, learning rate), in the order fit told them
     failed_at = len(reports) - 16 + 3  # f: reported before the failure; from step 3 on, once more
@@ -363,7 +359,7 @@ def tune_trainable(config):
                 time.sleep(3)  # the other trial reaches each rung first: ASHA compares against it
             for x, y in data:
                 loss = dm(x, y)
-            tune.report({"loss": float(loss), "pids": list(dm._client.group.pids), "inside": inside,
+            tune.report({"loss": float(loss), "pids": [r.pid for r in dm.ranks], "inside": inside,
                          "driver": os.getpid(), "started": started, "at": time.time()})  # fmt: skip
 
 

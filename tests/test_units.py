@@ -50,7 +50,7 @@ def test_assemble_two_dim_sharding_and_partials():
 
 
 def test_a_relayed_message_reaches_every_rank_once_and_enters_each_node_once():
-    from raydist.driver.transport import relay_tree
+    from raydist.driver.dispatch.transport import relay_tree
 
     nodes = ["a"] * 9 + ["b"] * 8 + ["c"] * 3 + ["d"] * 2 + ["e"] * 1 + ["f"] * 1
     tree = relay_tree(nodes, fanout=4)
@@ -74,8 +74,8 @@ def test_a_relayed_message_reaches_every_rank_once_and_enters_each_node_once():
 def test_a_relay_trees_answer_stacks_the_ranks_and_reads_like_one_answer_per_rank():
     """What `RankActor.collect` sends up: one object for many ranks. The driver's reading of it (a rank's
     results, a loss reduced over ranks) equals reading each rank's `StepResults`, bit for bit."""
-    from raydist.driver.client import MessageAnswers
-    from raydist.driver.transport import TreeAnswers
+    from raydist.driver.dispatch.client import MessageAnswers
+    from raydist.driver.dispatch.transport import TreeAnswers
     from raydist.messages import RankAnswers, StepResults
 
     rng = np.random.default_rng(0)
@@ -145,7 +145,7 @@ def test_a_small_message_and_its_results_cross_ray_pickled_once_and_large_result
 
 
 def test_auto_dispatch_on_cpus_relays_through_the_ranks_from_eight_on():
-    from raydist.driver.client import RankClient
+    from raydist.driver.dispatch.client import RankClient
 
     class Group:  # all a client reads of its group before the first step
         def __init__(self, n):
@@ -239,7 +239,7 @@ def test_importing_raydist_imports_no_paddle_and_no_rank_code():
 
 
 def test_default_data_meshes_follow_pipeline_stages():
-    from raydist.driver.modes import data_meshes as _data_meshes
+    from raydist.driver.model.modes import data_meshes as _data_meshes
     from raydist.topology import Mesh, stages
 
     dpmp = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
@@ -258,7 +258,7 @@ def test_default_data_meshes_follow_pipeline_stages():
 ])
 def test_bad_num_workers_are_refused_at_the_driver(bad, says):
     """No actor starts: sizes are checked against the loader's mesh at the largest size."""
-    from raydist.driver.elastic import sizes_of
+    from raydist.driver.cluster.sizes import sizes_of
 
     class Loader:  # what sizes_of reads of a shard_dataloader made on a dp2 x mp2 mesh
         meshes = [Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])]
@@ -272,7 +272,7 @@ def test_bad_num_workers_are_refused_at_the_driver(bad, says):
 
 
 def test_elastic_sizes_split_the_loaders_shards_evenly():
-    from raydist.driver.elastic import sizes_of
+    from raydist.driver.cluster.sizes import sizes_of
 
     class Loader:  # dp4 x mp2 at the largest size: 8 ranks, 4 shards
         meshes = [Mesh.of(np.arange(8).reshape(4, 2), ["dp", "mp"])]
@@ -286,7 +286,7 @@ def test_elastic_sizes_split_the_loaders_shards_evenly():
 
 
 def test_the_survivors_state_is_assembled_only_when_they_hold_all_of_it_at_one_step():
-    from raydist.driver import recovery as driver_state
+    from raydist.driver.lifecycle import recovery as driver_state
 
     names = {"w", "b", "w_beta1_pow_acc_0", "b_beta1_pow_acc_0"}
 
@@ -353,7 +353,7 @@ def test_pipeline_stages_fill_in_pp_degree_and_refuse_what_paddles_schedules_wou
 def test_a_pipelines_micro_batch_size_holds_batches_to_it():
     """Paddle's static engine ignores pipeline.micro_batch_size; raydist refuses batches that
     would run micro-batches of another size, before anything is sent."""
-    from raydist.driver.inputs import InputSpecs
+    from raydist.driver.model.inputs import InputSpecs
 
     stages = Mesh.of([0, 1], ["dp"]), Mesh.of([2, 3], ["dp"])
     specs = InputSpecs(None, None, "dp", {"train": 2, "eval": 2, "predict": 2}, micro_batch_size=2)
@@ -368,7 +368,7 @@ def test_a_pipelines_micro_batch_size_holds_batches_to_it():
 
 def _loss(value: float):
     """A `Loss` whose step is done with ``value`` (no window, no ranks)."""
-    from raydist.driver.steps import Loss, Step
+    from raydist.driver.dispatch.window import Loss, Step
 
     step = Step(7, None, lambda r: r, window=None)
     step._value, step.done = value, True
@@ -382,7 +382,7 @@ def test_a_loss_is_a_real_number_every_operation_of_numbers_real_acts_as_on_its_
     import numbers
     import operator
 
-    from raydist.driver.steps import Loss
+    from raydist.driver.dispatch.window import Loss
 
     loss = _loss(value)
     assert isinstance(loss, numbers.Real)
@@ -416,7 +416,7 @@ def test_the_rank_scheduler_refuses_an_attribute_set_that_would_reach_the_driver
 
     import paddle
 
-    from raydist.driver.schedule import RankScheduler
+    from raydist.driver.model.schedule import RankScheduler
 
     sent = []
     sched = RankScheduler(paddle.optimizer.lr.StepDecay(0.1, step_size=2, gamma=0.5), sent.append)
@@ -635,12 +635,12 @@ def test_co_located_ranks_take_turns_at_the_custom_ops_build_under_filelocks_loc
 # every command form README.md and BENCHMARKS.md show, and what it parses to
 BENCH_FORMS = {
     "": dict(what="models", models="mlp-mp2,mlp-dp2xmp2,gpt-mp2,gpt-dp2xmp2", runners="native,loader,batches",
-             steps=60, warmup=10, repeat=1, dispatch="auto", no_write=False),
+             steps=60, warmup=10, repeat=1, dispatch="auto", write=False),
     "--repeat 3 --runners native,loader,batches,compiled": dict(what="models", repeat=3,
                                                                 runners="native,loader,batches,compiled"),
     "--models gpt-mp2,gpt-dp2xmp2 --runners native,loader,batches --repeat 5 --steps 40": dict(
         what="models", models="gpt-mp2,gpt-dp2xmp2", repeat=5, steps=40),
-    "models --dispatch compiled --no-write": dict(what="models", dispatch="compiled", no_write=True),
+    "models --dispatch compiled --write": dict(what="models", dispatch="compiled", write=True),
     "dispatch": dict(what="dispatch", ranks=[2, 4, 8, 16, 32, 64], steps=300, warmup=10, repeat=3,
                      paths="ray-calls,calls,tree,ray-compiled,compiled"),
     "dispatch --ranks 2,64 --paths calls,tree,tree-read --repeat 3 --steps 300": dict(
@@ -694,7 +694,7 @@ def test_the_command_lines_help_and_refusals():
         assert done.returncode == 0 and option in done.stdout and "ray://" in done.stdout, done.stderr
     for sub in ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "small", "profile", "timeline"):
         done = subprocess.run([sys.executable, "-m", "bench", sub, "--help"], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 and f"python -m bench {sub}" in done.stdout and "--no-write" in done.stdout
+        assert done.returncode == 0 and f"python -m bench {sub}" in done.stdout and "--write" in done.stdout
     for command in (["-m", "raydist", "launch"], ["-m", "raydist.launch"]):
         done = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and all(o in done.stdout for o in ("--nproc", "--paddle-logs", "--env", "--no-env")), \
@@ -766,8 +766,7 @@ def test_rays_private_apis_are_each_called_from_one_function_that_says_which_pub
     root = Path(__file__).resolve().parent.parent / "raydist"
     private = re.compile(r"ray\._private|ray\._common|_internal_kv|\._meta_count|ray\.experimental")
     allowed = {
-        "driver/connect.py": {"_recorded_address"},
-        "driver/cluster_state.py": {"_draining_nodes", "_available_per_node", "_ended_jobs",
+        "driver/cluster/state.py": {"recorded_address", "_draining_nodes", "_available_per_node", "_ended_jobs",
                                     "_max_resources_from_cluster_config", "autoscaler_node_types"},
     }
     for path in sorted(root.rglob("*.py")):  # every module: a new private call must be listed here
@@ -828,14 +827,14 @@ def test_a_detached_model_without_what_it_needs_is_refused_before_anything_start
     def no_ray(*args):
         raise AssertionError("Ray was connected to before the arguments were checked")
 
-    monkeypatch.setattr("raydist.driver.model.init_ray", no_ray)
+    monkeypatch.setattr("raydist.driver.api.model.init_ray", no_ray)
     with pytest.raises(ValueError, match=message):
         raydist.to_static(build("dp"), None, paddle.nn.MSELoss(), sgd(), num_workers=2, **kwargs)
 
 
 def test_a_detached_models_record_hands_it_over_by_compare_and_set_and_counts_let_go_drivers(monkeypatch):
-    from raydist.driver import detached
-    from raydist.driver.detached import CLIENT_HOLD_S, Holder, ModelRecord
+    from raydist.driver.lifecycle import detached
+    from raydist.driver.lifecycle.detached import CLIENT_HOLD_S, Holder, ModelRecord
 
     ended, now = set(), [1000.0]  # the cluster's ended jobs; the record's clock
     monkeypatch.setattr(detached, "ended_jobs", lambda: ended)
@@ -892,7 +891,7 @@ def test_auto_prefetch_fills_a_chunk_of_four_mib_with_eight_to_sixty_four_local_
 
 def test_a_local_ray_gets_the_ranks_cpus_and_two_more_for_ray_data_or_the_machines(monkeypatch):
     """No more: Ray Data starts a worker process per free logical CPU, and idle ones keep polling."""
-    from raydist.driver.connect import local_num_cpus
+    from raydist.driver.cluster.connect import local_num_cpus
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert local_num_cpus(2, 1) == 4 and local_num_cpus(8, 1) == 10 and local_num_cpus(3, 0.5) == 4
@@ -910,7 +909,7 @@ def test_bench_small_rounds_rotate_their_runners():
 
 
 def test_bench_machine_cpu_counts_every_process_and_steps_divide_it():
-    from bench.run import machine_cpu, per_step
+    from bench.common import machine_cpu, per_step
 
     before = machine_cpu()
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
@@ -968,7 +967,7 @@ def test_a_drain_watch_that_cannot_read_the_cluster_says_so_once_and_once_that_i
     the watch swallowed it, and preemption notices were ignored with nothing said."""
     import threading
 
-    from raydist.driver import drains
+    from raydist.driver.lifecycle import preemption as drains
 
     monkeypatch.setattr(drains, "DRAIN_POLL_S", 0.01)
     answers = iter([RuntimeError("Ray has not been started yet")] * 5 + [{"n1": 0}] * 5 +
@@ -1050,7 +1049,7 @@ def _import_graph(package: str) -> dict[str, set[str]]:
     return graph
 
 
-@pytest.mark.parametrize("package", ["raydist"])
+@pytest.mark.parametrize("package", ["raydist", "bench"])
 def test_no_import_circles(package):
     """Imports flow one way: no module reaches itself through others (lazy imports count)."""
     graph = _import_graph(package)
@@ -1067,3 +1066,23 @@ def test_no_import_circles(package):
     for start in sorted(graph):
         visit(start, [start], {start})
     assert not circles, "\n".join(" -> ".join(c) for c in circles[:10])
+
+
+# Paddle's private members and internals: raydist reads them in raydist/compat only, each through a
+# guarded function (raydist.compat.engine's, compat.callbacks, compat.executor...)
+PADDLE_PRIVATE = re.compile(r"\bengine\._\w+|\._engine\b|_pir_\w*progs|_current_expected_place|_dygraph_guard|"
+                            r"_C_ops|config_callbacks|_executor_cache|_pir_feed_data|_raydist_plans")
+
+
+def test_paddles_private_members_are_read_in_compat_only():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "raydist"
+    found = []
+    for path in sorted(root.rglob("*.py")):  # every module of the package
+        if path.relative_to(root).parts[0] == "compat":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if PADDLE_PRIVATE.search(line.split("#")[0]):
+                found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

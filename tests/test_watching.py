@@ -180,7 +180,7 @@ def test_fit_reports_samples_per_second_and_mfu_from_the_flops_it_is_given(tmp_p
 METERED = """
     import sys
     import paddle, raydist
-    from raydist.driver.connect import init
+    from raydist.driver.cluster.connect import init
     from models import Rows, build, sgd
     import paddle.distributed as dist
 

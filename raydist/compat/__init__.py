@@ -1,4 +1,5 @@
-"""Fixes for Paddle defects. Imported and applied inside rank processes only.
+"""Fixes for Paddle defects, and every use of Paddle's private members. The fixes are applied
+inside rank processes only; `callbacks` is the driver's (`fit`'s callback list).
 
 Each fix names the Paddle defect it answers, was written for
 ``PADDLE_VERSION``, and checks that the code it replaces still looks as
@@ -13,6 +14,10 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 - `groups`: gloo process groups after the global one, each with a rendezvous of its own (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
 - `executor`: the executor's per-step printing of the whole program (all devices).
+- `callbacks`: Paddle's callback list for `fit` and `evaluate`, built as ``Model.fit`` builds it (the driver).
+
+Paddle's private members raydist reads (the engine's programs, specs, strategy, executor; the
+thread's place) are read through `engine`'s functions, each guarded in `engine.apply`.
 
 Every rank applies them through `apply`, whoever drives it: raydist's ranks
 (`raydist.worker.join`) and the scripts `raydist launch` runs

@@ -225,6 +225,56 @@ def fetch_program(engine, mode: str):
     return plan.ir_program(job)
 
 
+# The engine's private members the ranks use, one function each (their guards are in `apply`):
+# DistModel keeps its Engine in ``_engine``, the Engine keeps its strategy, specs, metrics,
+# executor and programs in private attributes, and Paddle has no public accessor for any.
+
+
+def engine_of(model):
+    """A ``DistModel``'s static ``Engine``."""
+    return model._engine
+
+
+def set_metrics(engine, metrics) -> None:
+    """Hand the engine the metrics ``to_static`` does not take (defect 7)."""
+    engine._metrics = list(metrics)
+
+
+def strategy_of(engine):
+    return engine._strategy
+
+
+def set_specs(engine, inputs: list, labels: list) -> None:
+    """The input and label specs the next `build` builds a mode's program for."""
+    engine._inputs_spec, engine._labels_spec = list(inputs), list(labels)
+
+
+def specs_of(engine) -> tuple[list, list]:
+    return engine._inputs_spec, engine._labels_spec
+
+
+def executor_of(engine):
+    return engine._executor
+
+
+def has_plan(engine, mode: str) -> bool:
+    """Whether ``mode`` runs as jobs (gradient merge, pipelines) rather than one program."""
+    return engine._raydist_plans[mode] is not None
+
+
+def expected_place():
+    """The place Paddle puts new tensors on in this thread (``paddle.framework._current_expected_place``)."""
+    return paddle.framework._current_expected_place()
+
+
+def in_static_mode():
+    """A context in which this thread builds and runs static programs (``paddle.enable_static`` only
+    changes the thread that imported Paddle; steps may run on a Ray thread)."""
+    from paddle.base.framework import _dygraph_guard
+
+    return _dygraph_guard(None)
+
+
 def program(engine, kind: str, mode: str):
     """``kind`` ("dist_main", "dist_startup", "serial_main", "serial_startup") of ``mode``."""
     return {
@@ -303,6 +353,20 @@ def apply() -> None:
     global _applied
     if _applied:
         return
+    from paddle.distributed.auto_parallel.api import DistModel as _DistModel
+    from paddle.base import framework as _framework
+
+    # the private members behind `engine_of` ... `in_static_mode`
+    expect_source(_DistModel.__init__, "self._engine = Engine(", fix="engine")
+    expect_source(_engine.Engine.__init__, "self._strategy", "self._inputs_spec", "self._labels_spec", "self._metrics",
+                  "self._executor", fix="engine")  # fmt: skip
+    expect_source(_engine.Engine._parallel_pir, "self._pir_dense_main_progs[mode]", "self._pir_dist_main_progs[mode]",
+                  fix="engine")  # fmt: skip
+    if not (hasattr(paddle.framework, "_current_expected_place") and hasattr(_framework, "_dygraph_guard")):
+        from . import CompatError
+
+        raise CompatError("raydist fix 'engine': Paddle no longer has paddle.framework._current_expected_place or "
+                          "paddle.base.framework._dygraph_guard; update raydist.compat.engine")  # fmt: skip
     expect_source(_engine.Engine._initialize, 'if mode != "train":', fix="engine")
     expect_source(_engine.Engine._initialize, "self._executor._set_plan(self._job_plan)", fix="engine")
     expect_source(_engine.Engine._initialize, "self.program_helper.init_pir(", "if self._executor is None:",

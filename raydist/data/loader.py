@@ -18,7 +18,7 @@ Every split holds the same number of rows, so every epoch ends at the same
 step on every rank, and the driver knows that step in advance (`len`).
 
 The splits are the data's *shards*: one per data-parallel group of the loader's
-mesh. An elastic model below its largest size (`raydist.driver.elastic`) has
+mesh. An elastic model below its largest size (`raydist.driver.cluster.sizes`) has
 fewer groups: each reads several shards joined (`sources.JoinedSplit`), so
 global batch k holds the same rows, in the same order, at every size.
 Readers read up to ``prefetch`` steps ahead of the model, in a thread of
@@ -44,7 +44,7 @@ from ..topology import Mesh, data_layout
 from .sources import Field, JoinedSplit, source_of
 
 if TYPE_CHECKING:
-    from ..driver.client import RankClient
+    from ..driver.dispatch.client import RankClient
 
 _ids = itertools.count()
 

@@ -30,12 +30,12 @@ from collections.abc import Sequence
 
 import ray
 
-from ..driver.actors import GroupConfig
-from ..driver.connect import init_ray
-from ..driver.detached import Holder
-from ..driver.group import RankGroup
+from ..driver.cluster.config import GroupConfig
+from ..driver.cluster.connect import init_ray
+from ..driver.lifecycle.detached import Holder
+from ..driver.cluster.group import RankGroup
 from ..env import QUIET_GLOG_LEVEL, launching_env
-from ..integrations.spmd import END_FD
+from .spmd import END_FD
 from ..protocol import Member
 
 log = logging.getLogger("raydist")
@@ -276,7 +276,7 @@ def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def command(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``raydist launch`` as ``opts`` say; its exit status."""
-    from ..driver.connect import connect_to_cluster
+    from ..driver.cluster.connect import connect_to_cluster
 
     if opts.nproc < 1:
         parser.error("-n must be at least 1")

@@ -11,6 +11,7 @@ import numpy as np
 import paddle
 
 from .. import pickling
+from ..compat import engine as compat_engine
 from ..errors import UsageError
 from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, Reattached, StepMessage, StepResults
 from ..specs import TensorSpec
@@ -98,7 +99,7 @@ class ModelService:
         except Exception as e:
             raise UsageError(f"the {mode} program cannot be built for these inputs: {type(e).__name__}: {e}") from e
         if mode == "train" and not built:
-            self.schedule.built(self.runner.engine._pir_dense_main_progs["train"])
+            self.schedule.built(compat_engine.program(self.runner.engine, "dense_main", "train"))
         self.collect = self.rank in plan.readers()
         return plan
 

@@ -1,7 +1,7 @@
-"""Messages relayed from rank to rank (`raydist.driver.transport.TreeTransport`).
+"""Messages relayed from rank to rank (`raydist.driver.dispatch.transport.TreeTransport`).
 
 The driver sends each message to rank 0 only. Every rank passes it on to its
-children in the tree (`raydist.driver.transport.relay_tree`), runs its steps,
+children in the tree (`raydist.driver.dispatch.transport.relay_tree`), runs its steps,
 and `Relay.collect` sends the results of its subtree back up as one
 `raydist.messages.RankAnswers`, so the driver's work per message does not grow
 with the ranks. A failure below is passed up at once, even while this rank's

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static.dist_input_spec import DistributedInputSpec
 
 from ..compat import disabled_fixes
@@ -80,10 +79,10 @@ class StaticRunner:
         model = dist.to_static(layer, None, loss, optimizer, strategy, input_spec=[[], []])
         if not isinstance(model, dist.DistModel):
             raise ValueError("strategy.full_graph=False makes Paddle return a dygraph model; raydist runs DistModel")
-        model._engine._metrics = list(metrics)  # to_static takes none (compat.engine, defect 7)
+        self.engine = compat_engine.engine_of(model)
+        compat_engine.set_metrics(self.engine, metrics)  # to_static takes none (compat.engine, defect 7)
         self.model = model
         self.layer = layer
-        self.engine = model._engine
         self.mode: str | None = None
         self._fetch: dict[str, list] = {}  # mode -> values to fetch
         self._feed: dict[str, list[str]] = {}  # mode -> feed names
@@ -106,26 +105,28 @@ class StaticRunner:
 
     def set_mode(self, mode: str) -> ModePlan:
         if mode not in self._plans:
-            micro = micro_batches(self.engine._strategy, mode)
+            engine = self.engine
+            micro = micro_batches(compat_engine.strategy_of(engine), mode)
             inputs, labels = self.specs
-            self.engine._inputs_spec = [paddle_spec(s, micro) for s in inputs]
-            self.engine._labels_spec = [paddle_spec(s, micro) for s in labels]
-            groups = compat_engine.build(self.engine, mode, first=not self._plans)
-            if mode == "train" and self.engine._raydist_plans[mode] is None:  # jobs (gradient merge): as built
-                self.updates_last = compat_engine.updates_last(self.engine._pir_dense_main_progs[mode])
+            compat_engine.set_specs(engine, [paddle_spec(s, micro) for s in inputs],
+                                    [paddle_spec(s, micro) for s in labels])  # fmt: skip
+            groups = compat_engine.build(engine, mode, first=not self._plans)
+            if mode == "train" and not compat_engine.has_plan(engine, mode):  # jobs (gradient merge): as built
+                self.updates_last = compat_engine.updates_last(compat_engine.program(engine, "dense_main", mode))
             names = [name for group in groups for name in group]
-            dist_program = self.engine._pir_dist_main_progs[mode]
+            dist_program = compat_engine.program(engine, "dist_main", mode)
             values = [dist_program.get_output_value_by_name(n) for n in names]
             # only a pipeline's last stage holds the loss and the outputs: the others' are fake values
             held = [not paddle.pir.is_fake_value(v) for v in values]
             fetch_program = compat_engine.fetch_program(self.engine, mode)
             self._fetch[mode] = [fetch_program.get_output_value_by_name(n) for n, h in zip(names, held) if h]
             self._held[mode] = held
-            specs = self.engine._inputs_spec + ([] if mode == "predict" else self.engine._labels_spec)
+            paddle_inputs, paddle_labels = compat_engine.specs_of(engine)
+            specs = paddle_inputs + ([] if mode == "predict" else paddle_labels)
             self._feed[mode] = [s.name for s in specs]
             layouts = [layout_of_value(v) if h else None for v, h in zip(values, held)]
             self._plans[mode] = ModePlan(layouts, tuple(len(g) for g in groups))
-            compat_executor.freeze(self.engine._pir_dense_main_progs[mode])  # built: it will not change
+            compat_executor.freeze(compat_engine.program(engine, "dense_main", mode))  # built: it will not change
         compat_engine.use_mode(self.engine, mode)
         self.mode = mode
         return self._plans[mode]
@@ -141,19 +142,20 @@ class StaticRunner:
         mode = self.mode
         # static mode for this thread only (steps may run on a Ray thread;
         # paddle.enable_static() does nothing outside the thread that imported Paddle)
-        with _dygraph_guard(None):
-            program = self.engine._pir_dense_main_progs[mode]
+        with compat_engine.in_static_mode():
+            program = compat_engine.program(self.engine, "dense_main", mode)
             feed = dict(zip(self._feed[mode], arrays))
             fetch = self._fetch[mode] if collect else []
             if self._prepare:
                 run = self._prepared.get((mode, collect))
                 if run is None or run.source is not program:
                     run = self._prepared[(mode, collect)] = compat_executor.Prepared(
-                        self.engine._executor, program, self._feed[mode], fetch
+                        compat_engine.executor_of(self.engine), program, self._feed[mode], fetch
                     )
                 outs = run(feed)
             else:
-                outs = self.engine._executor.run(program, feed=feed, fetch_list=fetch, return_numpy=True)
+                outs = compat_engine.executor_of(self.engine).run(program, feed=feed, fetch_list=fetch,
+                                                                  return_numpy=True)  # fmt: skip
         flush_sends()
         if not collect:
             return None
@@ -210,7 +212,7 @@ class StaticRunner:
         from paddle.base import core
 
         state = self._state("all")
-        place = paddle.framework._current_expected_place()
+        place = compat_engine.expected_place()
         local_state = {}
         for name, value in (full(set(state)) if callable(full) else full).items():
             if name not in state:  # another pipeline stage's
@@ -219,7 +221,7 @@ class StaticRunner:
             dense = core.DenseTensor()
             dense.set(np.array(value if layout is None else layout.local(value, rank), order="C"), place)
             local_state[var] = dense
-        program = self.engine._pir_dist_main_progs[self.mode]
+        program = compat_engine.program(self.engine, "dist_main", self.mode)
         program.set_state_dict(local_state, paddle.static.global_scope(), True)
 
 

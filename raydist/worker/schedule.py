@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 from paddle.optimizer.lr import LRScheduler
 
+from ..compat import engine as compat_engine
 from ..messages import LrChange
 
 
@@ -74,5 +75,5 @@ class RankSchedule:
         scheduler = self.scheduler
         value = scheduler() if scheduler is not None else self._optimizer._learning_rate
         tensor = paddle.static.global_scope().var(self._var).get_tensor()
-        tensor.set(np.array(value, dtype=np.float32), paddle.framework._current_expected_place())
+        tensor.set(np.array(value, dtype=np.float32), compat_engine.expected_place())
         self._changed = False

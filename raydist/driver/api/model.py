@@ -1,0 +1,550 @@
+"""The driver-side ``DistModel``: Paddle's DistModel API, run by a group of Ray ranks.
+
+What users hold. It reads like Paddle's class and delegates each job to one part:
+
+- `raydist.driver.model.validation`: every argument check, before any rank starts;
+- `raydist.driver.lifecycle.lifecycle.Lifecycle`: the live group of ranks, its restart,
+  resize and shutdown, spare ranks (and `raydist.driver.lifecycle.recovery` after a death);
+- `raydist.driver.model.modes.Modes`: the mode, the programs built, a call's step message;
+- `raydist.driver.model.rates.LearningRate`: the learning rate the ranks run with;
+- `raydist.driver.model.results`: the ranks' answers made into a step's loss or outputs;
+- `raydist.driver.model.state.ModelState`: state and checkpoints;
+- `raydist.driver.api.evaluation` and `raydist.driver.api.fit`: ``evaluate`` and ``fit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ... import pickling
+from ...data.loader import ShardDataloader
+from ...strategy import micro_batch_size, micro_batches
+from ..dispatch.client import RankClient
+from ..cluster.connect import init_ray, ray_started_here
+from ..cluster.config import GroupConfig
+from ..model.inputs import InputSpecs, leaves
+from ..lifecycle.lifecycle import Dispatch, Lifecycle
+from ..model.modes import MODES, Modes
+from ..model.rates import LearningRate
+from ..model.results import combine
+from ..model.state import ModelState
+from .status import RankStatus, rank_status
+from ..dispatch.window import Loss
+from ..model.validation import check_arguments, group_sizes, input_specs
+
+if TYPE_CHECKING:
+    from ..model.schedule import RankScheduler
+
+log = logging.getLogger("raydist")
+
+
+class DistModel:
+    """Paddle's static auto-parallel ``DistModel``, one Ray actor per rank.
+
+    Takes Paddle's arguments in Paddle's order, except that what would live on
+    the ranks is given as something that makes it there:
+
+    Args:
+        layer: a picklable callable returning the ``paddle.nn.Layer``; it runs
+            on every rank after the process group exists, so it can use
+            ``dist.ProcessMesh`` and ``dist.shard_tensor``.
+        loader: a `raydist.ShardDataloader` (the ranks read their own rows), a
+            ``paddle.io.DataLoader`` (as in Paddle, the input specs come from its
+            first batch; iterate it and pass its batches: they are global batches
+            from the driver), or None (batches come from the driver).
+        loss: a ``paddle.nn.Layer`` or callable ``(outputs..., labels...) -> loss``.
+        optimizer: a callable ``parameters -> paddle.optimizer.Optimizer``
+            (e.g. ``lambda p: paddle.optimizer.AdamW(1e-3, parameters=p)``).
+        strategy: a ``paddle.distributed.Strategy``, passed to every rank.
+        metrics: ``paddle.metric.Metric`` objects, as in Paddle (whose 3.3.1 static
+            engine ignores them): `evaluate` reports them; the ranks that hold the
+            outputs compute each step's values (``Metric.compute`` in the eval
+            program), the driver updates and accumulates them.
+        input_spec: as in Paddle, ``[[inputs...], [labels...]]`` of ``InputSpec``
+            or ``DistributedInputSpec`` with GLOBAL shapes; None infers them from
+            the first batch.
+        num_workers: number of ranks; default: the processes of ``input_spec``'s mesh.
+            ``(min, max)``: an elastic model (see `raydist.driver.cluster.sizes`): it starts
+            at the largest accepted size the cluster holds now, ``fit`` goes on at a
+            smaller size when a node is lost and grows when room returns, and
+            ``restart()`` comes back at the size that fits. The layer builder makes
+            its mesh from ``dist.get_world_size()``; a loader is made with the mesh
+            of size ``max``, and the global batch is the same at every size.
+        use_gpu: one GPU per rank and NCCL (otherwise CPU and gloo).
+        shard_dims: the mesh dim along which batches are split across ranks
+            (data parallel). The default "dp" splits along the mesh dim named
+            "dp" if the model's mesh has one, else every rank gets the whole batch.
+        resources_per_rank, placement_strategy, master_port, placement_timeout_s,
+        name, paddle_logs, runtime_env: see `raydist.driver.cluster.group.GroupConfig`.
+        max_in_flight: how many messages of steps may be outstanding before the
+            driver waits for the oldest (see `raydist.driver.dispatch.window`); 1 with
+            ``steps_per_message=1`` makes every call wait for its step.
+        steps_per_message: calls made while a message is outstanding are held
+            and sent together, up to this many steps in one message (the ranks
+            run them back to back, the same numbers as one at a time); reading a
+            loss sends what is held. "auto": as many as make about 0.5 s of
+            steps, up to 64, from the steps' measured pace; 1: a message per call.
+        dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
+            Graph: the least driver work per step, but its channels busy-wait,
+            a core per waiting process), "calls" (one actor call per rank),
+            "tree" (the driver sends each message to rank 0, the ranks pass it
+            on from node to node and within nodes, and the results come back
+            the same way: the driver's cost does not grow with the ranks), or
+            "auto": compiled with GPUs; on CPUs, where ranks need every core,
+            calls below 8 ranks and tree from 8 (see `raydist.driver.dispatch.transport`
+            and BENCHMARKS.md).
+        step_timeout_s: how long a step may take (and a rank may wait for its
+            loader batch) before its ranks count as hung: a rank in one step, or
+            not answering, for this long plus 5 s is a `RankError` naming it,
+            however many steps its message holds (`raydist.driver.dispatch.hangs`), and
+            the ranks are torn down. None: no limit. A dead rank is reported at
+            once, whatever this is.
+        spare_ranks: rank actors kept started (process up, Paddle imported on
+            CPUs) and joined to nothing, each holding one rank's resources, for
+            the next `restart` (a failure, in `fit` too) or resize to use instead
+            of starting processes (`python -m bench restart`). 0: none.
+        detached: the ranks and their placement group outlive this driver (a
+            killed script, a notebook's kernel restart): `raydist.attach(name)` in
+            a later driver returns this model, in its mode, at its step; only
+            `shutdown` ends it. Needs a ``name`` and a Ray cluster (``ray start
+            --head``, or ``RAY_ADDRESS``): a local Ray this process starts ends
+            with it. See `raydist.driver.lifecycle.detached`.
+
+    Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
+    "eval"; neither -> "predict".
+    """
+
+    def __init__(
+        self,
+        layer: Callable[[], Any],
+        loader: Any = None,
+        loss: Any = None,
+        optimizer: Callable[[Sequence[Any]], Any] | None = None,
+        strategy: Any = None,
+        metrics: Sequence[Any] | None = None,
+        input_spec: Sequence[Sequence[Any]] | None = None,
+        *,
+        num_workers: int | tuple[int, int] | None = None,
+        use_gpu: bool = False,
+        shard_dims: str | None = "dp",
+        resources_per_rank: dict[str, float] | None = None,
+        placement_strategy: str = "PACK",
+        master_port: int | None = None,
+        placement_timeout_s: float | None = 300.0,
+        name: str | None = None,
+        paddle_logs: bool = False,
+        runtime_env: dict | None = None,
+        max_in_flight: int = 2,
+        steps_per_message: int | str = "auto",
+        dispatch: str = "auto",
+        step_timeout_s: float | None = 900.0,
+        spare_ranks: int = 0,
+        detached: bool = False,
+    ) -> None:
+        check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, max_in_flight=max_in_flight,
+                        steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks, name=name,
+                        detached=detached)  # fmt: skip
+        inputs, labels = input_specs(input_spec, loader)
+        sizes = group_sizes(num_workers, (inputs or []) + (labels or []), loader, spare_ranks)
+        payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
+                                 "the layer builder, loss, optimizer or strategy")  # fmt: skip
+        specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES},
+                           micro_batch_size(strategy))  # fmt: skip
+        shard_loader = loader if isinstance(loader, ShardDataloader) else None  # read by the ranks
+        config = GroupConfig(sizes.max, use_gpu, resources_per_rank, placement_strategy, master_port,
+                             placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s,
+                             preload=("ray.data",) if shard_loader is not None else (), detached=detached)  # fmt: skip
+        init_ray(sizes.max, resources_per_rank, use_gpu)
+        auto = "compiled" if dispatch == "auto" and use_gpu and not detached else dispatch
+        self._wire(config, sizes, Dispatch(max_in_flight, steps_per_message, auto), payload, metrics or [], specs,
+                   loss is not None, optimizer is not None, spare_ranks)  # fmt: skip
+        if detached:
+            from ..lifecycle.detached import Hold
+
+            if ray_started_here():
+                log.warning("raydist: %r is detached, but this process started the local Ray it runs on, which "
+                            "ends with the process: start a cluster (`ray start --head`) for its ranks to outlive "
+                            "it", name)  # fmt: skip
+            self._hold_on(Hold.create(name))
+        if shard_loader is not None:
+            shard_loader.prepare()  # the first epoch's split starts while the ranks do
+        try:
+            self._life.start()
+        except BaseException:
+            if detached:
+                self._life.hold.end()
+            raise
+        if shard_loader is not None:
+            shard_loader.bind(self._client, self._modes.data_meshes)
+
+    def _wire(self, config: GroupConfig, sizes: Any, dispatch: Dispatch, payload: bytes, metrics: Sequence[Any],
+              specs: InputSpecs, has_loss: bool, has_optimizer: bool, spare_ranks: int) -> None:  # fmt: skip
+        """The model's parts, wired one way whether it is new (``__init__``) or a detached model's
+        ranks a new driver attaches to (`_attached`, from the record's `Snapshot`)."""
+        self._metrics = list(metrics)
+        self._rates = LearningRate()
+        self._state = ModelState(has_optimizer, self._rates)
+        self._modes = Modes(specs, has_loss, has_optimizer, self._state.built)
+        self._life = Lifecycle(config, sizes, payload, dispatch, spare_ranks, self._modes, self._rates,
+                               self._state)  # fmt: skip
+
+    def _hold_on(self, hold: Any) -> None:
+        """This driver holds the detached model: its record learns of every change a later driver needs."""
+        life = self._life
+        life.hold, life.snapshot = hold, self._snapshot
+        self._modes.on_change = self._state.on_change  # publishes (`Lifecycle`)
+        rates = self._rates  # not self: a dropped model is not held in a cycle
+        rates.on_change = lambda: hold.rate(rates.position())
+
+    def _snapshot(self) -> Any:
+        """What a detached model's record keeps for a later driver (`raydist.driver.lifecycle.detached.Snapshot`)."""
+        from ..lifecycle.detached import Snapshot
+
+        life, modes = self._life, self._modes
+        return Snapshot(life.config, life.sizes, life.dispatch, life.payload, self._metrics, modes.specs,
+                        modes.has_loss, modes.has_optimizer, modes.mode, self._state.last_checkpoint,
+                        life.meshes)  # fmt: skip
+
+    @classmethod
+    def _attached(cls, hold: Any, snapshot: Any, actors: list, pg: Any, rate: Any, loader: Any) -> "DistModel":
+        """The model of a detached group of ranks that runs already (see `raydist.attach`)."""
+        self = cls.__new__(cls)
+        self._wire(snapshot.config, snapshot.sizes, snapshot.dispatch, snapshot.payload, snapshot.metrics,
+                   snapshot.specs, snapshot.has_loss, snapshot.has_optimizer, 0)  # fmt: skip
+        self._state.last_checkpoint = snapshot.last_checkpoint
+        self._hold_on(hold)
+        if isinstance(loader, ShardDataloader):
+            loader.prepare()
+        self._life.adopt(actors, pg, snapshot.meshes, snapshot.mode, rate)
+        if isinstance(loader, ShardDataloader):
+            loader.bind(self._client, self._modes.data_meshes)
+        return self
+
+    @property
+    def _client(self) -> RankClient:
+        """The live group's client (for tests and benchmarks)."""
+        return self._life.client
+
+    # -- modes -----------------------------------------------------------------
+
+    def train(self) -> None:
+        """Switch every rank to "train": calls update the parameters and return the loss."""
+        self._modes.check("train")
+        self._modes.switch("train")
+
+    def eval(self) -> None:
+        """Switch every rank to "eval": calls return the loss, nothing is updated."""
+        self._modes.check("eval")
+        self._modes.switch("eval")
+
+    def predict(self) -> None:
+        """Switch every rank to "predict": calls return the model's outputs."""
+        self._modes.switch("predict")
+
+    @property
+    def mode(self) -> str:
+        """"train", "eval" or "predict"."""
+        return self._modes.mode
+
+    # -- steps -----------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        """One step on a GLOBAL batch: the loss (train, eval) or the outputs (predict).
+
+        Arguments are numpy arrays or paddle Tensors (or lists of them), inputs
+        then labels, as for Paddle's DistModel; or the handles a
+        `raydist.shard_dataloader` yields, which the ranks read themselves.
+        Predict takes inputs only and returns the outputs as numpy. Train and
+        eval return a `raydist.Loss` at once, while the step runs: it acts as
+        the float loss of the batch, waiting for it when read.
+        """
+        modes = self._modes
+        mode = modes.mode
+        if mode == "train":  # a step boundary: move off a draining node, or grow (see Lifecycle.at_boundary)
+            self._life.at_boundary()
+        message = modes.message(list(leaves(args)), self._rates.take_changes)
+        plan = modes.plans[mode]
+        rate = self._rates.position() if mode == "train" else None
+        client = self._client
+        step = client.step(message, lambda results: combine(plan, mode, results))
+        self._life.sent(step.number, mode == "train", rate)
+        return step.result() if mode == "predict" else Loss(step)
+
+    def wait(self) -> None:
+        """Complete every step in flight; raises the first failure."""
+        self._client.drain()
+
+    def evaluate(self, data: Any, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
+        """Loss and metrics over every row of ``data``, as Paddle's ``Engine.evaluate``.
+
+        ``data``: a `raydist.ShardDataloader` (one epoch of it) or an iterable of
+        batches (inputs then labels, as for a call). Returns ``{"loss": ...,
+        <metric names>: ...}``: the loss is the mean over the rows, each metric
+        (``metrics=`` of the model) is updated with every step's values, which the
+        ranks holding the outputs compute, and accumulated. The model goes back
+        to its mode afterwards. ``callbacks``: ``paddle.callbacks.Callback`` objects,
+        told ``on_eval_begin``, ``on_eval_batch_begin/end`` and ``on_eval_end`` (with
+        the result). See `raydist.driver.api.evaluation`.
+        """
+        from .evaluation import evaluate
+
+        return evaluate(self, self._modes, self._metrics, data, steps, callbacks)
+
+    @property
+    def lr_scheduler(self) -> RankScheduler | None:
+        """The ranks' ``LRScheduler`` (None when the learning rate is a float): ``step()``,
+        ``step(metrics)``, ``last_lr``, ``get_lr()``, ``state_dict()``; a change takes
+        effect from the next call on. See `raydist.driver.model.schedule`."""
+        return self._rates.scheduler
+
+    # -- programs and state ----------------------------------------------------
+
+    def dist_main_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s distributed main program of ``mode`` (default: current)."""
+        return self._program("dist_main", mode, rank)
+
+    def dist_startup_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s distributed startup program of ``mode``."""
+        return self._program("dist_startup", mode, rank)
+
+    def serial_main_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s serial (undistributed) main program of ``mode``."""
+        return self._program("serial_main", mode, rank)
+
+    def serial_startup_program(self, mode: str | None = None, rank: int = 0) -> str:
+        """The text of ``rank``'s serial startup program of ``mode``."""
+        return self._program("serial_startup", mode, rank)
+
+    def _program(self, kind: str, mode: str | None, rank: int) -> str:
+        from ...protocol import RankActor
+
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= rank < self._client.size:
+            raise ValueError(f"rank must be in [0, {self._client.size}), got {rank}")
+        self._modes.build(mode)
+        return self._client.call(RankActor.program, kind, mode, ranks=[rank])[0]
+
+    def state_dict(self, mode: str = "all") -> dict[str, np.ndarray]:
+        """The FULL (unsharded) state as numpy arrays, keyed like Paddle's ``DistModel.state_dict``.
+
+        ``mode``: "param" (the model's parameters), "opt" (the optimizer's
+        state) or "all".
+        """
+        if mode not in ("all", "opt", "param"):
+            raise ValueError(f"mode must be 'all', 'opt' or 'param', got {mode!r}")
+        return self._state.state_dict(mode)
+
+    def set_state_dict(self, state: dict[str, Any]) -> None:
+        """Set parameters (and optimizer state) from FULL values; every rank keeps its own shard.
+
+        ``state`` maps names as `state_dict` gives them to numpy arrays or
+        paddle Tensors; a subset is fine, e.g. a plain single-process
+        ``paddle.nn.Layer.state_dict()`` to start from pretrained weights.
+        Unknown names and wrong shapes are errors, before anything is sent.
+        """
+        self._state.set_state_dict(state)
+
+    def save(self, path: str, position: tuple[int, int] | None = None, record: dict | None = None,
+             background: bool = False) -> None:  # fmt: skip
+        """Write a distributed checkpoint to ``path`` (a new local directory or a pyarrow.fs URI).
+
+        Every rank writes its own shards, in parallel; the manifest keeps the
+        step, the mode and the learning rate's position. ``position`` (the
+        loader's epoch and the step in it to go on from) and ``record`` (any
+        JSON-able dict, e.g. your loop's losses) are kept too, for
+        `raydist.latest_checkpoint` to give back. ``background=True`` returns
+        once every rank holds a copy of its shards in host memory: they are
+        written while the next steps run, and the checkpoint is committed when
+        all are (a failure leaves nothing that looks complete; the next save,
+        `load`, `restart` and `shutdown` wait for it). See `raydist.checkpoint`.
+        """
+        import paddle
+
+        from ... import __version__
+
+        if position is not None:
+            position = [int(p) for p in position]
+        began, step = time.monotonic(), self._client.window.submitted
+        self._state.save(path, background, step=step, mode=self.mode, raydist=__version__,
+                         paddle=paddle.__version__, position=position, record=record or {})  # fmt: skip
+        self._life.events.emit("checkpoint", step, path=path, background=background,
+                               stall_s=round(time.monotonic() - began, 6))  # fmt: skip
+
+    def load(self, path: str) -> None:
+        """Restore parameters, optimizer state and the learning rate from a checkpoint `save` wrote, on any mesh.
+
+        What the model does not have yet (the optimizer's state before the
+        train program is built) is restored when it is built.
+        """
+        self._state.load(path, self._modes.built("train"))
+
+    def fit(
+        self,
+        loader: ShardDataloader,
+        epochs: int = 1,
+        steps: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | None = None,
+        max_failures: int = 0,
+        progress: bool = True,
+        callbacks: Sequence[Any] | None = None,
+        eval_loader: Any = None,
+        eval_every: int | None = None,
+        resume: bool = False,
+        keep_last: int | None = None,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
+    ) -> list[float]:
+        """Train on ``loader`` for ``epochs`` (or ``steps``), surviving up to ``max_failures`` rank failures.
+
+        Shows a progress bar (loss, steps/s); runs Paddle's callbacks
+        (``paddle.callbacks.Callback``: ``on_train_batch_end`` gets ``{"loss", "lr"}``);
+        steps the learning-rate schedule every step (or every epoch, with
+        ``callbacks=[paddle.callbacks.LRScheduler(by_step=False, by_epoch=True)]``);
+        evaluates on ``eval_loader`` (a loader of its own) every ``eval_every``
+        steps, or at each epoch's end; saves a checkpoint to
+        ``checkpoint_dir/step-NNNNNNNN`` every ``checkpoint_every`` steps; on a
+        `RankError` restarts the ranks, restores the newest state (see `restart`)
+        and resumes the data where it stood; an elastic model grows at the first
+        step boundary after room for more ranks shows. Returns the loss of every
+        step.
+
+        With a ``checkpoint_dir``, the run's end is saved there too (and
+        ``finished.json``). ``resume=True`` goes on with the run in
+        ``checkpoint_dir`` from its newest complete checkpoint (a driver that
+        died, a job run again): parameters, optimizer state, the schedule, the
+        data's epoch, step and order, the loss history and the callbacks' state,
+        so it ends as an undisturbed run would; an empty directory starts the run,
+        a finished one returns its history (the model holds its final state), and
+        one of another model or loader is refused, saying how it differs.
+        ``keep_last=N`` keeps only the newest N checkpoints. The run's events (`events`) go to
+        ``checkpoint_dir/events.jsonl`` too, appended across resumes.
+
+        Throughput: the bar and the callbacks' logs have ``samples_per_s`` (over the last 50
+        steps); with ``flops_per_sample`` (forward and backward of one row), ``flops_per_s``;
+        with ``peak_flops`` too (the peak FLOP/s of all the ranks' devices together), ``mfu``.
+        See `raydist.driver.api.fit`.
+        """
+        from .fit import fit
+
+        return fit(self, self._life, loader, epochs, steps, checkpoint_every, checkpoint_dir,
+                   max_failures, progress, callbacks, eval_loader, eval_every, resume, keep_last, flops_per_sample,
+                   peak_flops)  # fmt: skip
+
+    # -- watching --------------------------------------------------------------
+
+    def events(self) -> list[dict[str, Any]]:
+        """The run's events, oldest first: failures, restarts, resizes, preemption notices,
+        checkpoints, attaches and take-overs, each a dict with ``kind``, ``time``, ``step`` and
+        ``model`` and what belongs to its kind (see `raydist.driver.watching.events`)."""
+        return self._life.events.list()
+
+    def timeline(self, path: str, steps: int | None = None) -> dict[str, Any]:
+        """Write the last ``steps`` steps (None: all each rank keeps, up to 2048) as a Chrome
+        trace-event JSON at ``path``, for Perfetto or chrome://tracing: a track per rank with
+        each step's wait for its batch, the step, and (CPU) each collective in it; a track for
+        the driver's messages; every rank's clock aligned to the driver's. Returns the trace
+        (see `raydist.driver.watching.timeline`)."""
+        from ..watching.timeline import timeline
+
+        return timeline(self._client, self._life.events.model, path, steps)
+
+    # -- lifetime --------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        """The number of ranks now (an elastic model's changes with the cluster)."""
+        return self._client.size
+
+    @property
+    def ranks(self) -> list[RankStatus]:
+        """This model's ranks as each reports itself now, in rank order: pid, node, device, mode,
+        the steps it ran, peak memory (`raydist.RankStatus`). A `RankError` if one does not answer."""
+        client = self._client
+        group = client.group
+        reports = group.gather([a.status.remote() for a in group.actors], "status")
+        hold = self._life.hold
+        return [rank_status(r, group.prefix, detached=hold is not None,
+                            held_by=str(hold.holder) if hold is not None else None) for r in reports]  # fmt: skip
+
+    @property
+    def dispatch(self) -> str:
+        """How steps reach the ranks: "calls" (an actor call per rank), "tree" (relayed by the
+        ranks) or "compiled" (Ray's compiled graph); ``dispatch="auto"`` resolved."""
+        return self._client.dispatch
+
+    @property
+    def step(self) -> int:
+        """The number of steps this model was called for so far, over every mode and every group
+        it had (the next step's number)."""
+        return self._life.step()
+
+    def restart(self) -> None:
+        """Start a fresh group of ranks (after a failure) and restore the newest state there is.
+
+        After a rank died, that is the state its surviving peers held, if they
+        hold all of it (every shard of the parameters and optimizer state, e.g.
+        on a data-parallel mesh) at the last step the driver saw complete: then
+        nothing is lost but the steps that failed. Otherwise it is the last
+        checkpoint this model saved or loaded; with none, the model starts from
+        its initial parameters again. Steps in flight are dropped; step numbers
+        go on from where they were. An elastic model comes back at the largest
+        accepted size the cluster holds now (waiting, up to
+        ``placement_timeout_s``, for its minimum).
+        """
+        self._life.restart()
+
+    def shutdown(self) -> None:
+        """Complete the steps in flight, then stop every rank and free their resources; a detached
+        model ends (a driver another one took it over from only lets go). Idempotent."""
+        self._life.shutdown(drain=True)
+
+    def _close(self) -> None:
+        """Stop the ranks now, without completing the steps in flight."""
+        self._life.close()
+
+    def __enter__(self) -> "DistModel":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        # without an exception, raise a failure of the last steps; with one, it says what went wrong
+        self._life.shutdown(drain=exc_type is None)
+
+
+def to_static(
+    layer: Callable[[], Any],
+    loader: Any = None,
+    loss: Any = None,
+    optimizer: Callable[[Sequence[Any]], Any] | None = None,
+    strategy: Any = None,
+    input_spec: Sequence[Sequence[Any]] | None = None,
+    **kwargs: Any,
+) -> DistModel:
+    """Build a `DistModel` on a group of Ray ranks, as ``paddle.distributed.to_static`` would.
+
+    See `DistModel` for the arguments; keyword arguments (``metrics``,
+    ``num_workers``, ``use_gpu``, ...) go to it.
+    """
+    metrics = kwargs.pop("metrics", None)
+    return DistModel(layer, loader, loss, optimizer, strategy, metrics, input_spec, **kwargs)
+
+
+def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
+    """The live `DistModel` of the detached model ``name`` (see `raydist.attach`)."""
+    from ..lifecycle.detached import claim
+
+    held = claim(name, take_over)
+    dm = DistModel._attached(held.hold, held.snapshot, held.actors, held.pg, held.rate, loader)
+    life = dm._life
+    if held.before is None:
+        life.events.emit("attach", life.step(), holder=str(held.hold.holder))
+    else:
+        life.events.emit("take_over", life.step(), holder=str(held.hold.holder), **{"from": str(held.before)})
+    return dm

@@ -1,0 +1,130 @@
+"""Starting rank actors and reaching them: how a rank is started, and whether it answers.
+
+Both a group (`raydist.driver.cluster.group.RankGroup`) and the spare pool
+(`raydist.driver.cluster.spares.SparePool`) start actors here; the hang watch
+(`raydist.driver.dispatch.hangs`) and a group's failure path ask them here whether they live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from ...protocol import Member, RankActor
+
+
+@dataclasses.dataclass
+class GroupConfig:
+    """How to start the ranks.
+
+    Attributes:
+        num_workers: number of ranks, one Ray actor each.
+        use_gpu: one GPU per rank and NCCL; otherwise CPU and gloo.
+        resources_per_rank: Ray resources of one rank's bundle; default
+            ``{"CPU": 1}``, plus ``{"GPU": 1}`` with ``use_gpu``.
+        placement_strategy: of the placement group (PACK, SPREAD, STRICT_PACK...).
+        master_port: port of Paddle's TCP store on rank 0's node; a free one
+            if None, and another free one if this one is taken.
+        placement_timeout_s: how long to wait for the cluster to place the
+            ranks (autoscaling clusters grow meanwhile); None waits forever.
+        name: prefix of the actor names (``<name>-rank-<i>``).
+        paddle_logs: show Paddle's INFO logs from the ranks (quiet by default).
+        runtime_env: Ray runtime environment of the rank actors (env_vars,
+            pip, working_dir...).
+        step_timeout_s: how long a rank waits for its loader batch (None: no limit).
+        actor_class: the actors: `RankActor` (they join Paddle's process group),
+            or another `raydist.protocol.Member` that starts its own processes
+            from `RankGroup.envs` (`raydist launch`).
+        preload: modules CPU ranks import while they start (``ray.data`` when
+            they will read a loader).
+        detached: the actors and their placement group outlive the driver (Ray's
+            ``lifetime="detached"``, in the namespace `DETACHED_NAMESPACE`, where
+            any later driver finds them by name); see `raydist.driver.lifecycle.detached`.
+    """
+
+    num_workers: int
+    use_gpu: bool = False
+    resources_per_rank: dict[str, float] | None = None
+    placement_strategy: str = "PACK"
+    master_port: int | None = None
+    placement_timeout_s: float | None = 300.0
+    name: str | None = None
+    paddle_logs: bool = False
+    runtime_env: dict | None = None
+    step_timeout_s: float | None = None
+    actor_class: type[Member] = RankActor
+    preload: tuple[str, ...] = ()
+    detached: bool = False
+
+    def bundle(self) -> dict[str, float]:
+        if self.resources_per_rank is not None:
+            return dict(self.resources_per_rank)
+        return {"CPU": 1.0, "GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+
+
+# Where the actors of detached models live: a driver's own namespace is anonymous (a new one per
+# driver), so a later driver could not find them there.
+DETACHED_NAMESPACE = "raydist"
+
+
+@functools.cache
+def _remote(actor_class: type[Member]):
+    """``actor_class`` as a Ray actor class (with its concurrency groups)."""
+    return ray.remote(concurrency_groups=actor_class.concurrency_groups)(actor_class)
+
+
+# a rank's actor is named "<group>-rank-<i>", a spare's "<group>-spare-<n>" (`RankGroup`, `SparePool`)
+RANK_NAME = re.compile(r"^(?P<group>.+)-(rank|spare)-(?P<rank>\d+)$")
+
+
+def is_member_of(actor_name: str, group: str) -> bool:
+    """Whether ``actor_name`` names a rank or spare of ``group``."""
+    match = RANK_NAME.match(actor_name)
+    return match is not None and match["group"] == group
+
+
+def start_actor(cfg: GroupConfig, name: str, rank: int, world_size: int, scheduling_strategy: Any = None):
+    """One actor of ``cfg.actor_class`` holding one rank's resources; CPU rank actors start
+    importing Paddle at once (GPU ones once their devices are known)."""
+    res = cfg.bundle()
+    lifetime = {"lifetime": "detached", "namespace": DETACHED_NAMESPACE} if cfg.detached else {}
+    actor = _remote(cfg.actor_class).options(
+        **lifetime,
+        name=name,
+        num_cpus=res.get("CPU", 0),
+        num_gpus=res.get("GPU", 0),
+        resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
+        scheduling_strategy=scheduling_strategy,
+        runtime_env=cfg.runtime_env,
+    ).remote(rank, world_size)
+    if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:
+        actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)
+    return actor
+
+
+def ping_all(actors: Sequence, timeout: float) -> list:
+    """Each actor's `Member.ping` answer within ``timeout``: its value, the `RayActorError` of a
+    dead actor, or `NO_ANSWER`."""
+    pings = [a.ping.remote() for a in actors]
+    ready = set(ray.wait(pings, num_returns=len(pings), timeout=timeout)[0])
+    answers = []
+    for ref in pings:
+        try:
+            answers.append(ray.get(ref) if ref in ready else NO_ANSWER)
+        except ray.exceptions.RayActorError as e:
+            answers.append(e)
+    return answers
+
+
+NO_ANSWER = object()
+
+
+def call_on(actors: list, method, *args: Any) -> list:
+    """``method`` (an actor class's function, e.g. ``RankActor.state_meta``) called on every actor: refs."""
+    name = method.__name__
+    return [getattr(a, name).remote(*args) for a in actors]

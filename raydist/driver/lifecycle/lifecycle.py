@@ -1,0 +1,444 @@
+"""Which group of ranks is live: its start, restart after a failure, resize, and shutdown.
+
+One `Lifecycle` per model owns the live `raydist.driver.cluster.group.RankGroup` (through
+its `raydist.driver.dispatch.client.RankClient`), the spare ranks, and the decisions that
+replace the group: a restart after a failure, a move to another size (elastic
+models), a shutdown. Every new group builds the model, then the other parts of
+the model are told (`Modes.started`, `LearningRate.started`, the state's client,
+`Recovery.started`) and given back what the old group held: the survivors'
+state after a death (`raydist.driver.lifecycle.recovery`), the live state on a resize, or
+the last checkpoint.
+
+An elastic model's room to grow is watched by a thread of its own (`RoomWatch`),
+so a step boundary learns of a joined node by reading a flag, without asking
+the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ... import checkpoint
+from ...errors import RankError
+from ...protocol import RankActor
+from ..dispatch.client import RankClient
+from ..cluster.sizes import Sizes, size_now
+from ..cluster.config import GroupConfig
+from ..cluster.group import RankGroup
+from .detached import Hold, Holder, Snapshot
+from ..cluster.state import Outage
+from ..watching.events import Events
+from ..watching.metrics import RunMetrics
+from .preemption import DrainWatch, Notice
+from ..cluster.placement import placeable_now
+from .recovery import Recovery
+from ..cluster.spares import SparePool
+
+if TYPE_CHECKING:
+    from ..model.modes import Modes
+    from ..model.rates import LearningRate
+    from ..model.state import ModelState
+
+log = logging.getLogger("raydist")
+
+GROW_PLACEMENT_S = 30.0  # how long growing waits for the room it saw before settling for what fits
+ROOM_POLL_S = 1.0  # how often an elastic model below its largest size looks for room to grow
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """How steps travel to a group (see `raydist.DistModel`): messages in flight, steps per message, path."""
+
+    max_in_flight: int
+    steps_per_message: int | str
+    dispatch: str
+
+
+class Lifecycle:
+    """The live group of ranks of one model, and everything that replaces it.
+
+    ``payload``: the pickled builders every new group builds the model from;
+    ``modes``, ``rates``, ``state``: the model's parts that a new group resets and restores.
+    """
+
+    def __init__(self, config: GroupConfig, sizes: Sizes, payload: bytes, dispatch: Dispatch, spare_ranks: int,
+                 modes: Modes, rates: LearningRate, state: ModelState):  # fmt: skip
+        self.config = config
+        self.sizes = sizes
+        self.payload = payload
+        self.dispatch = dispatch
+        self.modes, self.rates, self.state = modes, rates, state
+        state.on_change = _weakly(self.publish)  # a new last checkpoint
+        self.recovery = Recovery()
+        self.spares = SparePool(config, spare_ranks)
+        self.went_on_live = False  # whether the last restart went on from the survivors' state
+        self.client: RankClient | None = None
+        self.meshes: list = []  # of the layer's parameters, as the live group built them
+        self._room: RoomWatch | None = None
+        self._drains: DrainWatch | None = None  # from the first start on
+        self.notice: Notice | None = None  # the last preemption notice a fixed-size group could not move off
+        self._stop_spares = weakref.finalize(self, _on_a_thread(self.spares.shutdown))
+        self._finalizer: weakref.finalize | None = None
+        self.hold: Hold | None = None  # this driver's hold on a detached model (`raydist.driver.lifecycle.detached`)
+        self.driver = Holder.here()  # this driver, as `raydist status` names it
+        self.events = Events(config.name or "")  # named after the first group, if the model is not
+        self.metrics = RunMetrics(config.name or "")
+        self.events.add_sink(self.metrics.on_event)
+        self.events.add_sink(_weakly(self._published))
+        self.snapshot: Callable[[], Snapshot] | None = None  # what a detached model's record keeps of it
+
+    # -- starting --------------------------------------------------------------------
+
+    def start(self, first_step: int = 0, size: int | None = None, freed: int = 0,
+              placement_timeout_s: float | None = None) -> None:  # fmt: skip
+        """A new group of ``size`` ranks (or the largest accepted size the cluster holds now; ``freed``:
+        ranks a group just let go of), spare ranks first; the model built on it, the parts told."""
+        spares = self.spares.take(size or self.sizes.max)
+        if size is None:
+            size = size_now(self.sizes, self.config.bundle(), freed, held=len(spares))
+        spares, extra = spares[:size], spares[size:]
+        self.spares.give_back(extra)
+        self.config = dataclasses.replace(self.config, num_workers=size)
+        config = self.config
+        if placement_timeout_s is not None:
+            config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
+        group = RankGroup(config, spares)
+        client = self._took(group, first_step)
+        try:
+            report = client.call(RankActor.build, ray.put(self.payload))[0]
+        except BaseException:
+            client.close()
+            raise
+        self.meshes = report.meshes
+        self.modes.started(client, report.meshes)
+        self.rates.started(report.learning_rate)
+        self.state.client = client
+        self.modes.resume()
+        client.after_first_step(self.spares.fill)  # spares' Paddle import would slow the start
+        self._watching()
+
+    def _took(self, group: RankGroup, first_step: int) -> RankClient:
+        """``group`` is the live one, its steps numbered from ``first_step``: its client. It stops when
+        this model is dropped (if it is detached, this driver lets go of it instead)."""
+        if not self.events.model:
+            self.events.model = self.metrics.tags["model"] = group.prefix
+        group.on_death(_weakly(self._salvage))
+        group.on_failure(_weakly(self._failed))
+        d = self.dispatch
+        client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
+                            step_timeout=group.config.step_timeout_s, first_step=first_step,
+                            steps_per_message=d.steps_per_message)  # fmt: skip
+        self.client = client
+        stop = self.hold.release if self.hold is not None else client.close
+        self._finalizer = weakref.finalize(self, _on_a_thread(stop))
+        self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
+        return client
+
+    def _watching(self) -> None:
+        """The live group is ready: watch for room, drains and (detached) the hold; publish it."""
+        self._watch_room()
+        if self._drains is None:
+            self._drains = DrainWatch()
+        self.publish()
+        if self.hold is not None:
+            self.hold.watch(_weakly(self._lost))
+
+    def adopt(self, actors: list, pg: Any, meshes: list, mode: str, rate: Any = None) -> None:
+        """Take over the running ranks of a detached model (its driver gone, or taken over): where
+        they stand (their step, modes, learning rate) is asked of them. If a rank is gone, or the
+        ranks disagree (their driver died while it sent a step), a new group starts from the last
+        checkpoint instead. ``rate``: the learning rate's newest position, as the driver before knew it."""
+        self.meshes = meshes
+        try:
+            group = RankGroup(self.config, adopt=(actors, pg))
+            stands = group.gather([a.reattach.remote() for a in group.actors], "attach")
+        except RankError as e:
+            return self._start_over(f"a rank is gone ({str(e).splitlines()[0]})")
+        if len({s.trained for s in stands}) > 1 or any(s.broke_off for s in stands):
+            group.shutdown()
+            return self._start_over(f"the ranks stand at different train steps {[s.trained for s in stands]}")
+        client = self._took(group, max(s.next_step for s in stands))
+        self.modes.adopt(client, meshes, stands[0].built)
+        self.rates.started(stands[0].learning_rate)
+        self.rates.catch_up(rate)
+        self.state.client = client
+        if stands[0].built:
+            self.state.built("train" in stands[0].built)
+        self.modes.mode = mode
+        self.modes.resume()
+        self._watching()
+
+    def _start_over(self, why: str) -> None:
+        """A new group for a detached model whose ranks cannot go on, from its last checkpoint."""
+        path = self.state.last_checkpoint
+        log.warning("raydist: the detached model %r cannot go on where it stood: %s; starting its ranks again "
+                    "from %s", self.hold.name, why, path or "its initial parameters (no checkpoint)")  # fmt: skip
+        self.start(first_step=checkpoint.read_manifest(path).get("step", 0) if path else 0)
+        if path is not None:
+            self.state.load(path, self.modes.built("train"))
+        self.events.emit("restart", self.step(), size=self.client.size, source="checkpoint" if path else "start",
+                         checkpoint=path, replayed=None)  # fmt: skip
+
+    def publish(self) -> None:
+        """After each change: tell the ranks what ``raydist status`` shows of the model (its holder,
+        sizes, last checkpoint); keep what a later driver needs of a detached model in its record."""
+        if self.client is None or not self.client.alive:
+            return
+        group = self.client.group
+        card = {"kind": "model", "holder": str(self.hold.holder if self.hold is not None else self.driver),
+                "sizes": [self.sizes.min, self.sizes.max], "last_checkpoint": self.state.last_checkpoint,
+                "events": self.events.last(3)}  # fmt: skip
+        for actor in group.actors:
+            actor.describe.remote(card)
+        if self.hold is not None:
+            self.hold.publish(self.snapshot(), group.actors, group.placement_group)
+
+    def _published(self, event: dict) -> None:
+        self.publish()
+
+    def sent(self, number: int, train: bool, rate: Any) -> None:
+        """Step ``number`` was sent (a train step runs with the learning rate ``rate``): recovery
+        can replay a train step, and the metrics count every step."""
+        if train:
+            self.recovery.sent(number, rate)
+        self.metrics.tick(self.client, self.sizes)
+
+    def step(self) -> int:
+        """The number the next step sent gets (0 before the first group)."""
+        return self.client.window.submitted if self.client is not None else 0
+
+    def _failed(self, group: RankGroup, error: RankError) -> None:
+        """A failure of the live group, as an event."""
+        if self.client is None or group is not self.client.group:
+            return
+        node = group.places[error.rank].node_ip if 0 <= error.rank < len(group.places) else None
+        first = str(error.cause).strip().splitlines()
+        self.events.emit("failure", self.client.window.completed, rank=error.rank, node=node, during=error.during,
+                         error=(first[-1] if first else "")[:500], died=error.died)  # fmt: skip
+
+    def _lost(self, why: str) -> None:
+        """Another driver took this detached model over: stop using its ranks, without stopping them."""
+        log.warning("raydist: %s", why)
+        self._stop_watching_room()
+        if self.client is not None:
+            self.client.group.let_go(why)
+
+    # -- replacing the group -----------------------------------------------------------
+
+    def state_meta(self, mode: str) -> dict:
+        """The model state's names, shapes and dtypes (``mode``: "param", "opt" or "all")."""
+        return self.state.meta(mode)
+
+    def wait_saved(self) -> None:
+        """Wait until the checkpoint being written in the background is complete."""
+        self.state.wait_saved()
+
+    def restart(self) -> bool:
+        """A fresh group (after a failure), with the newest state there is; whether that was the
+        survivors' (else the last checkpoint's, or the initial parameters). See `raydist.DistModel.restart`."""
+        self.state.wait_saved()  # a background save ends first: committed, or gone with the ranks
+        salvaged = self.recovery.take()
+        first_step, done = self.client.window.submitted, self.client.window.completed
+        freed = self.client.group.live_bundles()
+        self.close()
+        self.start(first_step, freed=freed)
+        self.went_on_live = salvaged is not None
+        path = self.state.last_checkpoint
+        if salvaged is not None:
+            state, rate, trained = salvaged
+            self._put_back(state, rate)
+            log.warning("raydist: went on from the state the surviving ranks held after %d train steps "
+                        "(no checkpoint read)", trained)  # fmt: skip
+            source, behind = "replicas", 0
+        elif path is not None:
+            self.state.load(path, self.modes.built("train"))
+            source, behind = "checkpoint", done - checkpoint.read_manifest(path).get("step", 0)
+        else:
+            source, behind = "start", done
+        self.events.emit("restart", first_step, size=self.client.size, source=source,
+                         checkpoint=path if source == "checkpoint" else None, replayed=max(0, behind))  # fmt: skip
+        return self.went_on_live
+
+    def can_grow(self, look: bool = False) -> int | None:
+        """A larger accepted size the cluster had room for when last looked at (every `ROOM_POLL_S`), if any;
+        ``look``: look now (a few calls to Ray's GCS), e.g. after the loop stood still for a save."""
+        if self._room is None:
+            return None
+        if look and self._room.size is None:
+            self._room.look()
+        return self._room.size
+
+    def at_boundary(self, look: bool = False, before: Callable[[], Any] | None = None,
+                    grow: bool = True) -> str | None:  # fmt: skip
+        """Between two steps: act on a preemption notice for a node of the live group, else grow if
+        there is room (``look``: look now, see `can_grow`). What was done: ``"moved"`` (an elastic
+        model left the draining node, from its live state), ``"noticed"`` (it could not: `notice` is
+        set, for `fit` to checkpoint), ``"grew"``, or None. ``before`` runs before any of these;
+        ``grow=False``: act on notices only."""
+        if self.client is None or not self.client.alive:
+            return None
+        notice = self._drains.notice(self.client.group.nodes) if self._drains is not None else None
+        size = None if notice is not None or not grow else self.can_grow(look)
+        if (notice is not None or size is not None) and before is not None:
+            before()
+        if notice is not None:
+            on = [r for r, node in enumerate(self.client.group.nodes) if node in notice.nodes]
+            log.warning("raydist: preemption notice: %s; it holds ranks %s", notice, on)
+            size = self._size_off() if self.sizes.elastic else None
+            self.events.emit("drain", self.step(), nodes=sorted(notice.nodes), deadline=notice.deadline, ranks=on,
+                             action="move" if size is not None else "checkpoint")  # fmt: skip
+            if size is not None:
+                log.warning("raydist: moving off it, from %d to %d ranks, with the live state (no checkpoint)",
+                            self.client.size, size)  # fmt: skip
+                self.resize(size, why="drain")
+                return "moved"
+            self.notice = notice
+            return "noticed"
+        if size is not None:
+            log.warning("raydist: room for %d ranks; growing from %d", size, self.client.size)
+            self.resize(size, why="grow")
+            return "grew"
+        return None
+
+    def _size_off(self) -> int | None:
+        """The largest accepted size that fits on nodes that are not draining, if any."""
+        room = placeable_now(self.config.bundle()) + self.client.group.live_bundles()
+        size = self.sizes.fitting(room)
+        return size if size <= room else None
+
+    def resize(self, size: int, why: str = "grow") -> None:
+        """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
+        object store: no checkpoint is written); at a step boundary only. ``why``: "grow" or "drain"."""
+        self.state.wait_saved()
+        state = self.state.state_dict("all" if self.modes.built("train") else "param")
+        rate = self.rates.position()
+        first_step = self.client.window.submitted
+        freed, before = self.client.group.live_bundles(), self.client.size
+        self._stop_watching_room()
+        self._finalizer.detach()
+        self.client.close(drain=True)
+        try:  # the room seen a moment ago may be gone (taken by another job, a node lost again)
+            self.start(first_step, size=size, freed=freed, placement_timeout_s=GROW_PLACEMENT_S)
+        except TimeoutError:
+            log.warning("raydist: no room for %d ranks after all; going on at the size that fits", size)
+            self.start(first_step)
+        self._put_back(state, rate)
+        self.events.emit("resize", first_step, to=self.client.size, why=why, **{"from": before})
+
+    def _salvage(self, group: RankGroup) -> None:
+        """A rank of ``group`` died: keep what its survivors hold, for `restart`."""
+        if self.client is None or group is not self.client.group or not self.modes.built("train"):
+            return
+        self.recovery.salvage(group, self.state.names, self.client.window.oldest, self.rates.position())
+
+    def _put_back(self, state: dict, rate: Any) -> None:
+        """Give the new group the state and learning rate of the one before."""
+        if not self.modes.built("train") and not set(state) <= set(self.state.meta()):
+            self.modes.build("train")  # the optimizer's state lives in the train program
+        self.state.set_state_dict(state)
+        self.rates.go_to(rate)
+
+    # -- room to grow --------------------------------------------------------------------
+
+    def _watch_room(self) -> None:
+        if self.sizes.elastic and self.client.size < self.sizes.max:
+            self._room = RoomWatch(self.sizes, self.client.size, self.config.bundle())
+
+    def _stop_watching_room(self) -> None:
+        room, self._room = self._room, None
+        if room is not None:
+            room.stop()
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the ranks now, without completing the steps in flight."""
+        self._stop_watching_room()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self.client is not None:
+            self.client.close()
+
+    def shutdown(self, drain: bool = True) -> None:
+        """Stop every rank (after the steps in flight, if ``drain``) and the spares; a detached model
+        ends (unless another driver took it over: then this one only lets go). Idempotent."""
+        if self.hold is not None:
+            self.hold.end()
+        if drain:
+            self.state.wait_saved()
+        self._stop_watching_room()
+        if self._drains is not None:
+            self._drains.stop()
+        try:
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            if self.client is not None:
+                self.client.close(drain=drain)
+        finally:
+            self._stop_spares.detach()
+            self.spares.shutdown()
+
+
+class RoomWatch:
+    """A thread that looks, every `ROOM_POLL_S`, whether the cluster has room for a larger accepted
+    size than ``size``; `size` is that size once it has (None before). `look` looks at once."""
+
+    def __init__(self, sizes: Sizes, size: int, bundle: dict[str, float]):
+        self.size: int | None = None
+        self._sizes, self._from, self._bundle = sizes, size, bundle
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="raydist-room", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        outage = Outage(f"the model does not grow past {self._from} ranks", "the model grows when room shows")
+        while not self._stopped.wait(ROOM_POLL_S) and self.size is None:
+            try:
+                self.look()
+                outage.read()
+            except Exception as e:  # noqa: BLE001 - said once; looked at again
+                if self._stopped.is_set() or not ray.is_initialized():  # Ray shuts down
+                    return
+                outage.failed(e)
+
+    def look(self) -> None:
+        """Look now (from any thread): `size` is set once a larger size fits."""
+        larger = self._sizes.larger(self._from, placeable_now(self._bundle))
+        if larger is not None:
+            self.size = larger
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method`` of an object, called only while the object lives (no reference cycle through it)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
+def _on_a_thread(stop: Callable[[], None]) -> Callable[[], None]:
+    """``stop`` for a finalizer, run on a thread of its own: a model dropped without shutdown() is
+    finalized when the garbage collector runs, which can be inside one of Ray's own calls (seen:
+    while ``ray.get`` deserialized a result), and killing actors from there deadlocks in Ray."""
+
+    def start() -> None:
+        try:
+            threading.Thread(target=stop, name="raydist-stop", daemon=True).start()
+        except RuntimeError:  # the interpreter is exiting: no new threads, and no Ray call is under way
+            stop()
+
+    return start

@@ -1,0 +1,189 @@
+"""A model's state at the driver: full tensors from the ranks' shards, and distributed checkpoints.
+
+The ranks hold shards; the driver assembles full values (`ModelState.state_dict`),
+hands full values back for every rank to keep its shard (`set_state_dict`),
+and orchestrates checkpoints: every rank writes its own shards, the driver
+writes the manifest and commits (`raydist.checkpoint`). A checkpoint's
+optimizer state that the model does not have yet (before its train program
+is built) is restored when it is built (`ModelState.built`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import logging
+import threading
+
+import numpy as np
+import ray
+
+from ... import checkpoint
+from ...protocol import RankActor
+from ..dispatch.client import RankClient
+from .rates import LearningRate
+
+log = logging.getLogger(__name__)
+
+
+class ModelState:
+    """State and checkpoints of the model behind ``client`` (replaced on restart); checkpoints
+    keep the learning rate's position too (``rates``)."""
+
+    def __init__(self, has_optimizer: bool, rates: LearningRate):
+        self.client: RankClient | None = None  # the live group's, from its start on
+        self.rates = rates
+        self.has_optimizer = has_optimizer
+        self._last_checkpoint: str | None = None
+        self.on_change: Callable[[], None] | None = None  # told when last_checkpoint changes
+        self._pending: tuple[str, dict] | None = None  # (path, {name: manifest entry}) still to restore
+        self.names: set[str] = set()  # every tensor of the state, as of the last build
+        self._saving: threading.Thread | None = None  # a background save's commit
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The latest checkpoint saved or loaded, for restart()."""
+        return self._last_checkpoint
+
+    @last_checkpoint.setter
+    def last_checkpoint(self, path: str | None) -> None:
+        self._last_checkpoint = path
+        if self.on_change is not None:
+            self.on_change()
+
+    def meta(self, mode: str = "all") -> dict[str, tuple]:
+        """{name: (global shape, dtype, layout)} of the state."""
+        return self._meta(mode)[0]
+
+    def _meta(self, mode: str) -> tuple[dict[str, tuple], dict[str, list[int]]]:
+        # each rank knows its own tensors: a pipeline stage's are on its ranks only
+        meta: dict[str, tuple] = {}
+        holders: dict[str, list[int]] = {}
+        for rank, mine in enumerate(self.client.call(RankActor.state_meta, mode)):
+            for name, entry in mine.items():
+                meta.setdefault(name, entry)
+                holders.setdefault(name, []).append(rank)
+        return meta, holders
+
+    def state_dict(self, mode: str) -> dict[str, np.ndarray]:
+        return _full(dict(enumerate(self.client.call(RankActor.state_dict, mode))))
+
+    def set_state_dict(self, state: dict[str, Any]) -> None:
+        meta = self.meta()
+        unknown = sorted(set(state) - set(meta))
+        if unknown:
+            raise ValueError(f"set_state_dict: the model has no {unknown} (it has {sorted(meta)})")
+        full = {}
+        for name, value in state.items():
+            array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            shape, dtype, _ = meta[name]
+            if tuple(array.shape) != tuple(shape):
+                raise ValueError(f"set_state_dict: {name!r} has shape {array.shape}, the model's is {tuple(shape)}")
+            if array.dtype != np.dtype(dtype):
+                if array.dtype.kind != np.dtype(dtype).kind:
+                    raise TypeError(f"set_state_dict: {name!r} has dtype {array.dtype}, the model's is {dtype}")
+                array = array.astype(dtype)
+            full[name] = array
+        self.client.call(RankActor.set_state, ray.put(full))
+
+    def save(self, path: str, background: bool = False, **info: Any) -> None:
+        """Every rank writes its shards to a staging directory; then the manifest, and the commit.
+
+        ``info``: what the manifest records besides the tensors (step, mode...). ``background``:
+        return once every rank holds a copy of its shards in host memory; they are written
+        beside the next steps, and a thread of the driver commits once all are written (or
+        removes the staging directory if one failed: nothing that looks complete is left).
+        A save first waits for the one before it.
+        """
+        self.wait_saved()
+        if checkpoint.exists(path):
+            raise ValueError(f"{path} exists: raydist never overwrites a checkpoint; save to a new directory")
+        meta, holders = self._meta("all")
+        plan = checkpoint.writers(meta, holders)
+        staged = checkpoint.staging_dir(path)
+        ranks = sorted(plan)
+        try:
+            written = self.client.call_each(RankActor.save_pieces, {r: (staged, plan[r], background) for r in ranks})
+        except BaseException:
+            checkpoint.remove(staged)  # an incomplete save leaves nothing behind
+            raise
+        files: dict[str, dict[int, str]] = {name: {} for name in meta}
+        for rank, file in zip(ranks, written):
+            for name in plan[rank]:
+                files[name][rank] = file
+        manifest = checkpoint.manifest(meta, files, num_workers=self.client.size, learning_rate=self.rates.manifest(),
+                                       **info)  # fmt: skip
+        if not background:
+            checkpoint.commit(staged, path, manifest)
+            self.last_checkpoint = path
+            return
+        writes = [self.client.actor(r).saved.remote(staged) for r in ranks]
+        self._saving = threading.Thread(target=self._commit, args=(writes, staged, path, manifest),
+                                        name="raydist-save", daemon=True)  # fmt: skip
+        self._saving.start()
+
+    def _commit(self, writes: list, staged: str, path: str, manifest: dict) -> None:
+        try:
+            ray.get(writes)
+            checkpoint.commit(staged, path, manifest)
+        except Exception as e:  # noqa: BLE001 - a rank's death, a full disk...: the previous checkpoint stands
+            checkpoint.remove(staged)
+            log.warning("raydist: the checkpoint %s was not written (%s: %s); %s stands", path, type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "", self.last_checkpoint)  # fmt: skip
+            return
+        self.last_checkpoint = path
+
+    def wait_saved(self) -> None:
+        """Wait for a background save to end (committed, or removed after a failure)."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.join()
+
+    def load(self, path: str, train_built: bool) -> dict:
+        """Restore the tensors of the checkpoint at ``path``; its manifest (for what else it keeps)."""
+        self.wait_saved()
+        manifest = checkpoint.read_manifest(path)
+        tensors = dict(manifest["tensors"])
+        meta = self.meta()
+        params = self.meta("param")
+        missing = sorted(set(params) - set(tensors))
+        wrong = sorted(n for n in set(meta) & set(tensors) if tuple(tensors[n]["shape"]) != tuple(meta[n][0]))
+        if missing or wrong:
+            raise ValueError(
+                f"{path} is a checkpoint of another model: it lacks {missing} and has other shapes for {wrong}"
+            )
+        self._pending = (path, tensors)
+        self._restore(meta, train_built)
+        self.last_checkpoint = path
+        self.rates.restore(manifest.get("learning_rate") or {})
+        return manifest
+
+    def built(self, train_built: bool) -> None:
+        """A mode was just built: note the state's tensors, restore what it brought of a
+        checkpoint being loaded."""
+        meta = self.meta()
+        self.names = set(meta)
+        if self._pending is not None:
+            self._restore(meta, train_built)
+
+    def _restore(self, meta: dict, train_built: bool) -> None:
+        path, tensors = self._pending
+        now = {n: tensors.pop(n) for n in list(tensors) if n in meta}
+        if now:
+            self.client.call(RankActor.load_state, path, now)
+        if not tensors or not self.has_optimizer or train_built:
+            if tensors and self.has_optimizer:
+                log.warning("raydist: %s holds tensors this model does not have; not loaded: %s", path, sorted(tensors))
+            self._pending = None  # what is left, this model will never have
+
+
+def _full(pieces: dict[int, dict]) -> dict[str, np.ndarray]:
+    """Full tensors from ranks' ``{rank: {name: (local, layout)}}`` (each holds its own)."""
+    full = {}
+    for rank, state in pieces.items():
+        for name, (array, layout) in state.items():
+            if name in full:
+                continue
+            full[name] = array if layout is None else layout.assemble({r: pieces[r][name][0] for r in layout.readers()})
+    return full
