@@ -44,7 +44,7 @@ def restart_round(name: str, spares: int, steps: int = 4) -> dict:
             start_group(self)
             marks["grouped"] = time.monotonic()
 
-        os.kill(dm._client.group.pids[1], signal.SIGKILL)
+        os.kill(dm.ranks[1].pid, signal.SIGKILL)
         killed = time.monotonic()
         try:
             float(dm(*data[steps]))

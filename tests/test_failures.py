@@ -248,7 +248,7 @@ def test_a_bad_first_batch_is_refused_and_the_model_goes_on():
         with pytest.raises(raydist.UsageError, match="(?s)train program cannot be built.*Type promotion.*int64"):
             dm(x.astype("int64"), y)
         assert_close(dm(x, y), ref.train(x, y))  # the specs of the failed call are forgotten
-        assert dm._client.group.pids == pids  # the same ranks
+        assert [r.pid for r in dm.ranks] == pids  # the same ranks
     with raydist.to_static(build("mp"), num_workers=2) as dm:  # predict only: its first build
         with pytest.raises(raydist.UsageError, match="predict program cannot be built"):
             dm(x.astype("int64"))
@@ -261,7 +261,7 @@ def test_restart_counts_steps_on(tmp_path):
     with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
         assert [dm(x, y).step for x, y in data[:3]] == [0, 1, 2]
         dm.save(str(tmp_path / "a"))
-        os.kill(dm._client.group.pids[1], signal.SIGKILL)
+        os.kill(dm.ranks[1].pid, signal.SIGKILL)
         with pytest.raises(raydist.RankError, match="during step 3"):
             float(dm(*data[3]))
         dm.restart()
@@ -325,7 +325,7 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
         for x, y in data[:3]:
             assert_close(dm(x, y), ref.train(x, y))
         spare_pids = {pid for _, pid in ray.get([a.place.remote() for a in dm._life.spares._actors])}
-        assert len(spare_pids) == 2 and not spare_pids & set(dm._client.group.pids)
+        assert len(spare_pids) == 2 and not spare_pids & {r.pid for r in dm.ranks}
         assert sorted(s.rank for s in raydist.status()) == [0, 1]  # spares are no ranks yet
         pids = [r.pid for r in dm.ranks]
         os.kill(pids[1], signal.SIGKILL)
@@ -333,7 +333,7 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
         with pytest.raises(raydist.RankError, match="step 3"):
             float(dm(*data[3]))
         dm.restart()
-        assert set(dm._client.group.pids) == spare_pids and dm._client.group.adopted == [0, 1]
+        assert {r.pid for r in dm.ranks} == spare_pids and dm._client.group.adopted == [0, 1]
         assert dm._life.went_on_live and len(dm._life.spares) == 0
         for x, y in data[3:]:
             assert_close(dm(x, y), ref.train(x, y))

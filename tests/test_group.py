@@ -42,8 +42,8 @@ def test_status_lists_the_live_ranks():
                            name="rdstatus") as dm:  # fmt: skip
         float(dm(*data[0]))
         mine = [s for s in raydist.status() if s.group == "rdstatus"]
-        assert [(s.rank, s.pid, s.device, s.mode) for s in mine] == [(0, dm._client.group.pids[0], "cpu", "train"),
-                                                                     (1, dm._client.group.pids[1], "cpu", "train")]
+        assert [(s.rank, s.pid, s.device, s.mode) for s in mine] == [(0, dm.ranks[0].pid, "cpu", "train"),
+                                                                     (1, dm.ranks[1].pid, "cpu", "train")]
         assert all(s.node_ip == ray.util.get_node_ip_address() for s in mine)
     assert not [s for s in raydist.status() if s.group == "rdstatus"]
 
@@ -83,7 +83,7 @@ def test_a_free_master_port_is_used_and_a_taken_one_is_replaced():
         free = probe.getsockname()[1]
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            master_port=free) as dm:  # fmt: skip
-        assert _master_port(dm) == free and _listens(dm._client.group.pids[0], free)
+        assert _master_port(dm) == free and _listens(dm.ranks[0].pid, free)
         assert_close(dm(x, y), Reference(sgd()).train(x, y))
     with socket.socket() as taken:
         taken.bind(("", 0))
@@ -92,8 +92,8 @@ def test_a_free_master_port_is_used_and_a_taken_one_is_replaced():
         with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                                master_port=port) as dm:  # fmt: skip
             used = _master_port(dm)
-            assert used != port and _listens(dm._client.group.pids[0], used)
-            assert not _listens(dm._client.group.pids[0], port)
+            assert used != port and _listens(dm.ranks[0].pid, used)
+            assert not _listens(dm.ranks[0].pid, port)
             assert_close(dm(x, y), Reference(sgd()).train(x, y))
 
 
