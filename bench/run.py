@@ -311,7 +311,7 @@ def _write(args, argv, table: str) -> None:
     path.parent.mkdir(exist_ok=True)
     path.write_text(f"# `python -m bench {command}`\n\n{stamp}, {machine()}, code {_commit()}; {steps}{dispatch}."
                     f"\n\n{table}\n")  # fmt: skip
-    print(f"written to {path.relative_to(ROOT)}")
+    print(f"written to {path}")
 
 
 def _commit() -> str:

@@ -1086,3 +1086,19 @@ def test_paddles_private_members_are_read_in_compat_only():
             if PADDLE_PRIVATE.search(line.split("#")[0]):
                 found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_bench_writes_a_table_only_when_asked_and_replaces_that_command_lines_last(tmp_path, monkeypatch):
+    from bench import run
+
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    monkeypatch.setattr(run, "machine", lambda: "a machine")
+    argv = ["paired", "--models", "mlp-mp2", "--rounds", "2"]
+    run._write(run.parse(argv), argv, "| first |")
+    assert list(tmp_path.iterdir()) == []  # not asked
+    for table in ("| first |", "| second |"):
+        run._write(run.parse([*argv, "--write"]), [*argv, "--write"], table)
+    [written] = list(tmp_path.iterdir())
+    text = written.read_text()
+    assert text.startswith("# `python -m bench paired --models mlp-mp2 --rounds 2`")
+    assert "| second |" in text and "| first |" not in text and "a machine" in text and "code " in text

@@ -61,6 +61,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.distributed.auto_parallel.static import engine as _engine
+from paddle.base.framework import _dygraph_guard
 from paddle.distributed.auto_parallel.static import helper as _helper
 
 from . import expect_source
@@ -269,10 +270,13 @@ def expected_place():
 
 def in_static_mode():
     """A context in which this thread builds and runs static programs (``paddle.enable_static`` only
-    changes the thread that imported Paddle; steps may run on a Ray thread)."""
-    from paddle.base.framework import _dygraph_guard
-
+    changes the thread that imported Paddle; steps may run on a Ray thread). Every step enters it."""
     return _dygraph_guard(None)
+
+
+def dense_program(engine, mode: str):
+    """The program a step of ``mode`` runs (read every step: a restore may build it anew)."""
+    return engine._pir_dense_main_progs[mode]
 
 
 def program(engine, kind: str, mode: str):
@@ -282,7 +286,7 @@ def program(engine, kind: str, mode: str):
         "dist_startup": engine._pir_dist_startup_progs,
         "serial_main": engine._fwd_main_progs,
         "serial_startup": engine._startup_progs,
-        "dense_main": engine._pir_dense_main_progs,  # what runs (tests)
+        "dense_main": engine._pir_dense_main_progs,  # what runs (`dense_program`)
     }[kind][mode]
 
 
@@ -354,19 +358,19 @@ def apply() -> None:
     if _applied:
         return
     from paddle.distributed.auto_parallel.api import DistModel as _DistModel
-    from paddle.base import framework as _framework
 
-    # the private members behind `engine_of` ... `in_static_mode`
+    # the private members behind `engine_of` ... `expected_place` (`_dygraph_guard` is imported above: a
+    # Paddle without it fails at that import)
     expect_source(_DistModel.__init__, "self._engine = Engine(", fix="engine")
     expect_source(_engine.Engine.__init__, "self._strategy", "self._inputs_spec", "self._labels_spec", "self._metrics",
                   "self._executor", fix="engine")  # fmt: skip
     expect_source(_engine.Engine._parallel_pir, "self._pir_dense_main_progs[mode]", "self._pir_dist_main_progs[mode]",
                   fix="engine")  # fmt: skip
-    if not (hasattr(paddle.framework, "_current_expected_place") and hasattr(_framework, "_dygraph_guard")):
+    if not hasattr(paddle.framework, "_current_expected_place"):
         from . import CompatError
 
-        raise CompatError("raydist fix 'engine': Paddle no longer has paddle.framework._current_expected_place or "
-                          "paddle.base.framework._dygraph_guard; update raydist.compat.engine")  # fmt: skip
+        raise CompatError("raydist fix 'engine': Paddle no longer has paddle.framework._current_expected_place; "
+                          "update raydist.compat.engine")  # fmt: skip
     expect_source(_engine.Engine._initialize, 'if mode != "train":', fix="engine")
     expect_source(_engine.Engine._initialize, "self._executor._set_plan(self._job_plan)", fix="engine")
     expect_source(_engine.Engine._initialize, "self.program_helper.init_pir(", "if self._executor is None:",

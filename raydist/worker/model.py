@@ -99,7 +99,7 @@ class ModelService:
         except Exception as e:
             raise UsageError(f"the {mode} program cannot be built for these inputs: {type(e).__name__}: {e}") from e
         if mode == "train" and not built:
-            self.schedule.built(compat_engine.program(self.runner.engine, "dense_main", "train"))
+            self.schedule.built(compat_engine.dense_program(self.runner.engine, "train"))
         self.collect = self.rank in plan.readers()
         return plan
 

@@ -112,7 +112,7 @@ class StaticRunner:
                                     [paddle_spec(s, micro) for s in labels])  # fmt: skip
             groups = compat_engine.build(engine, mode, first=not self._plans)
             if mode == "train" and not compat_engine.has_plan(engine, mode):  # jobs (gradient merge): as built
-                self.updates_last = compat_engine.updates_last(compat_engine.program(engine, "dense_main", mode))
+                self.updates_last = compat_engine.updates_last(compat_engine.dense_program(engine, mode))
             names = [name for group in groups for name in group]
             dist_program = compat_engine.program(engine, "dist_main", mode)
             values = [dist_program.get_output_value_by_name(n) for n in names]
@@ -126,7 +126,7 @@ class StaticRunner:
             self._feed[mode] = [s.name for s in specs]
             layouts = [layout_of_value(v) if h else None for v, h in zip(values, held)]
             self._plans[mode] = ModePlan(layouts, tuple(len(g) for g in groups))
-            compat_executor.freeze(compat_engine.program(engine, "dense_main", mode))  # built: it will not change
+            compat_executor.freeze(compat_engine.dense_program(engine, mode))  # built: it will not change
         compat_engine.use_mode(self.engine, mode)
         self.mode = mode
         return self._plans[mode]
@@ -143,7 +143,7 @@ class StaticRunner:
         # static mode for this thread only (steps may run on a Ray thread;
         # paddle.enable_static() does nothing outside the thread that imported Paddle)
         with compat_engine.in_static_mode():
-            program = compat_engine.program(self.engine, "dense_main", mode)
+            program = compat_engine.dense_program(self.engine, mode)
             feed = dict(zip(self._feed[mode], arrays))
             fetch = self._fetch[mode] if collect else []
             if self._prepare:
