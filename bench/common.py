@@ -93,16 +93,6 @@ def _rank_stats(rank) -> dict:
             "cpu": time.process_time()}
 
 
-def on_ranks(dm, fn, ranks: list[int] | None = None) -> list:
-    """``fn(rank_actor)`` run inside each of ``dm``'s rank actors (``ranks``: these only), for the
-    bench's readings of a rank's own counters. Ray's ``__ray_call__`` is the only way to run a
-    function inside a live actor; raydist's ranks expose no such endpoint on purpose."""
-    import ray
-
-    actors = dm._client.group.actors
-    return ray.get([actors[r].__ray_call__.remote(fn) for r in (range(len(actors)) if ranks is None else ranks)])
-
-
 def machine_cpu() -> tuple[float, float]:
     """The machine's CPU seconds so far, all cores: busy (every process), and stolen (the host
     ran other guests while ours waited: on a shared host, the slow spells)."""
@@ -123,6 +113,8 @@ def timed_steps(dm, batches, warmup: int, start: float, call) -> dict:
     The driver does not wait for each step, so step times are taken where the
     steps run: the intervals between rank 0's step starts.
     """
+
+    from raydist.testing import on_ranks
 
     def take_stats():
         return on_ranks(dm, _rank_stats)

@@ -124,7 +124,8 @@ def record(pid: int, seconds: float) -> collections.Counter:
 
 def raydist_loop(name: str, seconds: float, every: int) -> tuple[collections.Counter, collections.Counter, int]:
 
-    from bench.common import bench_loader, memory_dataset, on_ranks, raydist_model
+    from bench.common import bench_loader, memory_dataset, raydist_model
+    from raydist.testing import on_ranks
 
     loader = bench_loader(name, memory_dataset(name, 20_000))
     done, stop = [0], threading.Event()

@@ -18,6 +18,7 @@ import signal
 import statistics
 import time
 
+from raydist import testing
 from raydist.driver.cluster import group as group_module
 
 # Time for the spares (started after the model) to start and import Paddle before the kill.
@@ -59,7 +60,7 @@ def restart_round(name: str, spares: int, steps: int = 4) -> dict:
         restarted = time.monotonic()
         float(dm(*data[steps]))
         stepped = time.monotonic()
-        adopted = len(dm._client.group.adopted)
+        adopted = len(testing.group(dm).adopted)
     finally:
         dm.shutdown()
     return {"noticed": noticed - killed, "group": marks["grouped"] - marks["group"],

@@ -21,6 +21,8 @@ import statistics
 import tempfile
 import time
 
+from raydist import testing
+
 
 def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
@@ -41,7 +43,7 @@ def _round(dm, batches, every: int, background: bool | None) -> dict:
             stalls.append(time.perf_counter() - waited)
             waits.append(waited - began)
     dm.wait()
-    dm._life.state.wait_saved()  # the last background save's commit, inside the measured time
+    testing.lifecycle(dm).state.wait_saved()  # the last background save's commit, inside the measured time
     per_step = (time.perf_counter() - start) / len(batches)
     if stalls:
         size = _size(f"{directory}/step-{every:08d}")

@@ -46,6 +46,23 @@ N = 70  # rows of `dataset`: 35 per dp group of `DPMP_MESH`, 8 steps of 4 per gr
 DPMP_MESH = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
 
 
+def wait_blocked(pid: int, timeout: float = 30.0, quiet_s: float = 0.1) -> None:
+    """Until the main thread of process ``pid`` is asleep in the kernel and has used no CPU for
+    ``quiet_s`` (a rank waiting in a collective or a pipeline receive), from /proc."""
+    stat = f"/proc/{pid}/task/{pid}/stat"
+    deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+    while time.monotonic() < deadline:
+        fields = open(stat).read().rsplit(")", 1)[1].split()
+        state, cpu = fields[0], int(fields[11]) + int(fields[12])  # state; utime + stime
+        now = time.monotonic()
+        if state != "S" or cpu != last:
+            last, since = cpu, now
+        elif now - since >= quiet_s:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not block within {timeout} s")
+
+
 def rows(n: int = N) -> tuple[np.ndarray, np.ndarray]:
     """``n`` rows (x, y) of the MLP's shapes, the same in every process."""
     rng = np.random.RandomState(0)
@@ -113,13 +130,6 @@ def schedule(kind: str):
 
 def scheduled_sgd(kind: str):
     return lambda params: paddle.optimizer.SGD(learning_rate=schedule(kind), parameters=params)
-
-
-def on_ranks(dm, fn) -> list:
-    """``fn(rank_actor)`` run inside each of ``dm``'s rank actors, for a test that reads a rank's own
-    state (a Paddle flag, say). Ray's ``__ray_call__`` is the only way to run a function inside a
-    live actor; raydist's ranks expose no such endpoint on purpose."""
-    return ray.get([a.__ray_call__.remote(fn) for a in dm._client.group.actors])
 
 
 def one_process_losses(epochs: int, rows: int = 48, batch_size: int = 8, shards: int = 2, seed: int = 3):

@@ -34,6 +34,7 @@ def test_ranks_wait_for_the_autoscaler_then_train():
         import logging, time
         import ray, paddle, paddle.distributed as dist
         import raydist
+        from raydist import testing
         from models import Reference, assert_close, assert_params_equal, batches, build, sgd
 
         logging.basicConfig(level=logging.WARNING)
@@ -125,7 +126,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
         cluster.add_node(num_cpus=2, resources={"rank": 2})
         mark("node added")
         # the run goes on after step 13 once raydist has seen room for the 2 more ranks
-        while dm._life.can_grow() is None:
+        while testing.lifecycle(dm).can_grow() is None:
             time.sleep(0.05)
         mark("joined")
         during = bool(saving) and os.path.exists(saving[0])  # the save was still being written
@@ -140,7 +141,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
         print("sizes", sizes, "steps sent again", redone, "join visible after step", visible,
               "joined during a save", during, "timeline (s)", timeline)
         # from the survivors' state: only the step in flight runs again (the checkpoint is 3 steps older)
-        assert dm._life.went_on_live and redone == 1, (dm._life.went_on_live, redone)
+        assert testing.last_restart_source(dm) == "replicas" and redone == 1, (testing.last_restart_source(dm), redone)
         assert during and len(sizes) == 24, (during, sizes, timeline)
         assert sizes[:3] == [4] * 3 and sizes[3:visible] == [2] * (visible - 3), sizes  # shrank, no room to grow
         assert sizes[visible + 2 :] == [4] * (24 - visible - 2), sizes  # at the next boundary, after the step in flight
@@ -170,6 +171,7 @@ def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fi
     import tempfile, time
     import paddle
     import raydist
+    from raydist import testing
     from models import Reference, adamw, assert_close, assert_params_equal, batches, build, sgd
 
     try:
@@ -191,7 +193,7 @@ def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fi
             assert e.rank in on_lost, (e.rank, on_lost)
             print(f"RankError naming rank {e.rank} after {time.monotonic() - lost:.1f} s")
         dm.restart()
-        assert dm.num_workers == 2 and len(raydist.status()) == 2 and dm._life.went_on_live
+        assert dm.num_workers == 2 and len(raydist.status()) == 2 and testing.last_restart_source(dm) == "replicas"
         for x, y in data[3:]:  # AdamW's moments came over too, or these would differ
             assert_close(dm(x, y), ref.train(x, y))
         params = dm.state_dict("param")
@@ -234,6 +236,7 @@ def test_messages_relayed_through_the_ranks_of_two_nodes_train_like_one_process_
     import time
     import paddle
     import raydist
+    from raydist import testing
     from models import Reference, assert_close, assert_params_equal, batches, build, sgd
 
     try:
@@ -244,7 +247,7 @@ def test_messages_relayed_through_the_ranks_of_two_nodes_train_like_one_process_
         assert placed[0] == placed[1] != placed[2] == placed[3], placed
         losses = [dm(x, y) for x, y in data[:6]]  # 0, 1 alone; then 2-4 together, 5 alone
         assert_close(losses, [ref.train(x, y) for x, y in data[:6]])
-        assert dm._client.transport == "tree" and dm._client._transport.tree == {0: [2, 1], 1: [], 2: [3], 3: []}
+        assert testing.transport(dm) == "tree" and testing.tree(dm) == {0: [2, 1], 1: [], 2: [3], 3: []}
         dm.predict()
         assert_close(dm(data[6][0]), ref.predict(data[6][0]))
         params = dm.state_dict("param")
@@ -275,6 +278,7 @@ def test_placement_strategy_puts_ranks_on_one_node_or_spreads_them(strategy, nod
     out = run_driver(cluster(2) + f"""
     import paddle
     import raydist
+    from raydist import testing
     from models import Reference, assert_close, assert_params_equal, batches, build, sgd
 
     try:
@@ -328,7 +332,7 @@ def test_two_losses_in_a_row_the_second_during_a_save():
         sizes, lost = [], []
 
         def node_of_ranks():
-            ids = set(dm._client.group.nodes)
+            ids = {r.node_id for r in dm.ranks}
             return next(n for n in cluster.worker_nodes if n.node_id in ids)
 
         def lose_during_save():

@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 import pytest
 
-from raydist import compat
+from raydist import compat, testing
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,7 +206,7 @@ def test_collectives_defect_dp_replicas_drift_without_the_fix():
     env = {"env_vars": {compat.DISABLE_ENV: "collectives"}}
     with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=4,
                            runtime_env=env) as dm:  # fmt: skip
-        assert "collectives" not in dm._client.group.fixes
+        assert "collectives" not in testing.group(dm).fixes
         for x, y in data:
             dm(x, y)
         params = dm.state_dict("param")
@@ -231,7 +231,7 @@ def test_engine_behaviour_8_updates_come_between_all_reduces_and_raydist_moves_t
     with raydist.to_static(build(kind), loss=paddle.nn.MSELoss(), optimizer=adamw(),
                            num_workers=2 if kind == "dp" else 4) as dm:  # fmt: skip
         float(dm(*batches(1)[0]))
-        programs = {k: dm._client.call(RankActor.program, k, "train", ranks=[0])[0] for k in ("dist_main", "dense_main")}
+        programs = {k: testing.call(dm, RankActor.program, k, "train", ranks=[0])[0] for k in ("dist_main", "dense_main")}
     for kind_, text in programs.items():
         ops = re.findall(r'"(?:pd_op|custom_op)\.(all_reduce|raydist_all_reduce|adamw_)"', text)
         after_first_update = ops[ops.index("adamw_"):]

@@ -8,6 +8,7 @@ import pytest
 import ray
 
 import raydist
+from raydist import testing
 from helpers import Pairs, scheduled_sgd
 from models import Reference, assert_close, assert_params_equal, batches, build, global_batches, sgd
 
@@ -85,7 +86,7 @@ def test_attach_is_refused_while_held_names_the_models_there_are_and_keeps_eval_
         with pytest.raises(ValueError, match="'detached-eval' exists already .*held by the driver"):
             raydist.to_static(build("dp"), None, paddle.nn.MSELoss(), sgd(), num_workers=2, name="detached-eval",
                               detached=True)  # fmt: skip
-        dm._life.hold.release()  # what a driver that ends does
+        testing.lifecycle(dm).hold.release()  # what a driver that ends does
         assert all(s.held_by is None for s in raydist.status() if s.group == "detached-eval")
 
         again = raydist.attach("detached-eval")
@@ -114,8 +115,8 @@ def test_a_rank_lost_while_no_driver_held_the_model_starts_again_from_its_checkp
         dm.save(str(tmp_path / "ck"))
         saved = dm.state_dict("param")
         dm(*data[2])  # lost with the rank
-        dm._life.hold.release()
-        ray.kill(dm._client.actor(1), no_restart=True)
+        testing.lifecycle(dm).hold.release()
+        ray.kill(testing.actors(dm)[1], no_restart=True)
 
         again = raydist.attach("detached-lost")
         assert again.step == 2  # the checkpoint's step

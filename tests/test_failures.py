@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 import raydist
+from raydist import testing
 from helpers import schedule, wait_gone
 from models import MLP, Reference, assert_close, assert_params_equal, batches, build, sgd
 
@@ -138,7 +139,7 @@ def test_bad_batches_fail_at_the_driver_and_the_model_stays_usable():
 def wait_noticed(dm, pid, timeout=20.0):
     """Until Ray has noticed that the rank of ``pid`` is dead (its actor is DEAD)."""
     deadline = time.monotonic() + timeout
-    actor = dm._client.group.actors[dm._client.group.pids.index(pid)]
+    actor = testing.actors(dm)[[r.pid for r in dm.ranks].index(pid)]
     while time.monotonic() < deadline:
         try:
             ray.get(actor.ping.remote(), timeout=1)
@@ -229,10 +230,10 @@ def test_every_ray_error_of_a_rank_call_is_a_rank_error_and_tears_the_group_down
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
     pids = [r.pid for r in dm.ranks]
     with pytest.raises(raydist.RankError) as info:
-        dm._client.group.gather([make_ref()], "a test", ranks=[1])
+        testing.group(dm).gather([make_ref()], "a test", ranks=[1])
     assert isinstance(info.value.__cause__, kind), repr(info.value.__cause__)
     assert info.value.rank == 1 and info.value.during == "a test" and type(info.value.__cause__).__name__ in info.value.cause
-    assert not dm._client.alive
+    assert not testing.group(dm).alive
     wait_gone(pids)
     with pytest.raises(raydist.GroupShutdownError):
         dm(*batches(1)[0])
@@ -303,7 +304,7 @@ def test_restart_goes_on_from_the_survivors_state_with_the_schedule_where_it_sto
             float(sent[0])
         assert info.value.during == "step 3" and dm.lr_scheduler.last_lr != ref.opt._learning_rate.last_lr
         dm.restart()
-        assert dm._life.went_on_live and dm.lr_scheduler.last_lr == ref.opt._learning_rate.last_lr
+        assert testing.last_restart_source(dm) == "replicas" and dm.lr_scheduler.last_lr == ref.opt._learning_rate.last_lr
         for x, y in data[3:]:
             assert_close(dm(x, y), ref.train(x, y))
             dm.lr_scheduler.step()
@@ -321,10 +322,10 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
     data, ref = batches(6), Reference(sgd())
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            spare_ranks=2) as dm:  # fmt: skip
-        assert len(dm._life.spares) == 0
+        assert len(testing.lifecycle(dm).spares) == 0
         for x, y in data[:3]:
             assert_close(dm(x, y), ref.train(x, y))
-        spare_pids = {pid for _, pid in ray.get([a.place.remote() for a in dm._life.spares._actors])}
+        spare_pids = {pid for _, pid in ray.get([a.place.remote() for a in testing.lifecycle(dm).spares._actors])}
         assert len(spare_pids) == 2 and not spare_pids & {r.pid for r in dm.ranks}
         assert sorted(s.rank for s in raydist.status()) == [0, 1]  # spares are no ranks yet
         pids = [r.pid for r in dm.ranks]
@@ -333,16 +334,16 @@ def test_spare_ranks_replace_the_lost_group_and_the_run_equals_one_process():
         with pytest.raises(raydist.RankError, match="step 3"):
             float(dm(*data[3]))
         dm.restart()
-        assert {r.pid for r in dm.ranks} == spare_pids and dm._client.group.adopted == [0, 1]
-        assert dm._life.went_on_live and len(dm._life.spares) == 0
+        assert {r.pid for r in dm.ranks} == spare_pids and testing.group(dm).adopted == [0, 1]
+        assert testing.last_restart_source(dm) == "replicas" and len(testing.lifecycle(dm).spares) == 0
         for x, y in data[3:]:
             assert_close(dm(x, y), ref.train(x, y))
-        assert len(dm._life.spares) == 2
+        assert len(testing.lifecycle(dm).spares) == 2
         params = dm.state_dict("param")
         ranks = raydist.status()
         assert [s.rank for s in ranks] == [0, 1] and {s.pid for s in ranks} == spare_pids
         assert len({s.group for s in ranks}) == 1  # one group, though the spares were named by the pool
-        new_spares = {pid for _, pid in ray.get([a.place.remote() for a in dm._life.spares._actors])}
+        new_spares = {pid for _, pid in ray.get([a.place.remote() for a in testing.lifecycle(dm).spares._actors])}
     assert_params_equal(params, ref.params())
     wait_gone(list(spare_pids | new_spares))
     with pytest.raises(ValueError, match="spare_ranks"):

@@ -6,7 +6,7 @@ import paddle
 import pytest
 
 import raydist
-from helpers import on_ranks
+from raydist.testing import on_ranks
 from models import Reference, Rows, adamw, assert_close, assert_params_equal, assert_fit_like_one_process, batches, build
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(300)]

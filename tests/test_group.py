@@ -10,6 +10,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 import raydist
+from raydist import testing
 from helpers import wait_gone
 from models import Reference, assert_close, batches, build, sgd
 
@@ -17,13 +18,13 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(180)]
 
 
 def _pg_state(dm):
-    return placement_group_table(dm._client.group._pg)["state"] if dm._client.group._pg is not None else "REMOVED"
+    return placement_group_table(testing.placement_group(dm))["state"] if testing.placement_group(dm) is not None else "REMOVED"
 
 
 def test_named_actors_and_shutdown_by_with():
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            name="rdtest") as dm:  # fmt: skip
-        pg = dm._client.group._pg
+        pg = testing.placement_group(dm)
         assert placement_group_table(pg)["state"] == "CREATED"
         assert len(placement_group_table(pg)["bundles"]) == 2
         for rank in range(2):
@@ -50,7 +51,7 @@ def test_status_lists_the_live_ranks():
 
 def test_garbage_collection_shuts_the_group_down():
     dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
-    pids, pg = [r.pid for r in dm.ranks], dm._client.group._pg
+    pids, pg = [r.pid for r in dm.ranks], testing.placement_group(dm)
     del dm
     gc.collect()  # the group goes down on a thread of its own (never inside a Ray call the collector interrupted)
     wait_gone(pids)
@@ -62,7 +63,7 @@ def test_garbage_collection_shuts_the_group_down():
 
 def _master_port(dm) -> int:
     """The port of Paddle's TCP store that the ranks were given (the same on every rank)."""
-    masters = {env["PADDLE_MASTER"] for env in dm._client.group.envs}
+    masters = {env["PADDLE_MASTER"] for env in testing.group(dm).envs}
     assert len(masters) == 1, masters
     return int(masters.pop().rsplit(":", 1)[1])
 

@@ -9,6 +9,7 @@ import paddle
 import pytest
 
 import raydist
+from raydist import testing
 from models import Reference, assert_close, batches, build, sgd
 from raydist.driver.dispatch import hangs as watch_module
 from raydist.messages import Progress
@@ -32,7 +33,7 @@ def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch
     try:
         losses = [dm(x, y) for _ in range(300)]  # auto: the messages grow to many steps
         assert_close([float(loss) for loss in losses], [reference.train(x, y) for _ in losses])
-        window = dm._client.window
+        window = testing.window(dm)
         if steps_per_message == "auto":
             assert window._k > 8, "the messages should hold many steps by now"
         os.kill(pids[1], signal.SIGSTOP)
@@ -54,7 +55,7 @@ def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        dm._close()
+        testing.lifecycle(dm).close()
 
 
 # -- the watch's decisions, on scripted answers (no ranks) -------------------------------------------

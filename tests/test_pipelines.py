@@ -13,7 +13,7 @@ import paddle.distributed as dist
 import pytest
 import faults
 import raydist
-from helpers import wait_gone
+from helpers import wait_blocked, wait_gone
 from models import Chain, Reference, Rows, adamw, assert_close, assert_params_equal, batches, build_chain, global_batches, sgd
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(240)]
@@ -129,7 +129,7 @@ def test_a_stage_that_dies_mid_schedule_is_a_rank_error_naming_it(tmp_path):
         while not flag.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert int(flag.read_text()) == pids[1]  # rank 1 began step 1
-        time.sleep(0.5)  # and is in the schedule now, waiting for rank 0
+        wait_blocked(pids[1])  # and is in the schedule now, waiting for rank 0
         assert not loss.done
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()

@@ -35,6 +35,7 @@ DRAIN = """
     import logging, os, threading, tempfile
     import paddle, paddle.distributed as dist
     import raydist
+    from raydist import testing
     from models import Rows, adamw, assert_fit_like_one_process, build
 
     logging.getLogger("raydist").addHandler(logging.StreamHandler(sys.stdout))  # what it saw and did
@@ -68,7 +69,7 @@ def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_fai
         fit.start()
         noticed.wait(120)
         deadline = drain(victim)
-        wait_for(lambda: victim.node_id in dm._life._drains.draining, deadline)  # raydist's watcher saw it
+        wait_for(lambda: victim.node_id in testing.lifecycle(dm)._drains.draining, deadline)  # raydist's watcher saw it
         go.set()
         wait_for(lambda: victim.node_id not in {s.node_id for s in raydist.status()}, deadline)
         print(f"off the draining node {DEADLINE_S - (deadline - time.monotonic()):.1f} s after the notice")
@@ -107,13 +108,13 @@ def test_a_plain_loop_moves_off_a_draining_node_then_grows_back_when_one_joins()
                 sizes.append(dm.num_workers)
                 if len(sizes) == 3:
                     deadline = drain(victim)
-                    wait_for(lambda: victim.node_id in dm._life._drains.draining, deadline)  # the watcher saw it
+                    wait_for(lambda: victim.node_id in testing.lifecycle(dm)._drains.draining, deadline)  # the watcher saw it
                 if len(sizes) == 4:  # the call of step 4 moved off
                     assert sizes[-1] == 2, sizes
                     cluster.remove_node(victim)
                 if len(sizes) == 6:
                     cluster.add_node(num_cpus=2, resources={"rank": 2})
-                    wait_for(lambda: dm._life.can_grow() is not None, time.monotonic() + 60)  # the room, seen
+                    wait_for(lambda: testing.lifecycle(dm).can_grow() is not None, time.monotonic() + 60)  # the room, seen
         print("sizes", sizes)
         assert sizes == [4] * 3 + [2] * 3 + [4] * 18, sizes  # moved at call 4, grew at call 7
         assert_fit_like_one_process([float(x) for x in losses], dm.state_dict("param"), rows, 8, 2, 3, adamw(),
@@ -155,7 +156,7 @@ def test_a_fixed_size_fit_checkpoints_at_the_notice_and_loses_no_step_when_the_n
         fit.start()
         noticed.wait(120)
         deadline = drain(victim)
-        wait_for(lambda: victim.node_id in dm._life._drains.draining, deadline)  # raydist's watcher saw it
+        wait_for(lambda: victim.node_id in testing.lifecycle(dm)._drains.draining, deadline)  # raydist's watcher saw it
         go.set()
         wait_for(lambda: os.path.exists(ck) and any(n.startswith("step-") and ".saving" not in n
                                                     for n in os.listdir(ck)), deadline)  # fmt: skip

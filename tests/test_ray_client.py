@@ -32,6 +32,7 @@ ELASTIC = """
     import json, logging, sys, time
     import paddle, paddle.distributed as dist, ray
     import raydist
+    from raydist import testing
     from models import Rows, adamw, assert_fit_like_one_process, build
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")  # what raydist saw and did
@@ -59,13 +60,13 @@ ELASTIC = """
             if len(sizes) == 2:
                 say("grow?")
                 heard("added")
-                while dm._life.can_grow(look=True) is None:  # raydist's own look sees the new room
+                while testing.lifecycle(dm).can_grow(look=True) is None:  # raydist's own look sees the new room
                     time.sleep(0.2)
             if sizes[-1] == 4 and "drained" not in times:
                 say("nodes", json.dumps(sorted({s.node_id for s in raydist.status()})))
                 node, = heard("drained")
                 times["drained"] = time.monotonic()
-                while node not in dm._life._drains.draining:  # raydist's watch saw the notice
+                while node not in testing.lifecycle(dm)._drains.draining:  # raydist's watch saw the notice
                     time.sleep(0.1)
             if len(sizes) > 1 and sizes[-2] == 4 and sizes[-1] == 2:
                 say("moved", f"{time.monotonic() - times['drained']:.1f}",

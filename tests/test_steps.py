@@ -10,6 +10,7 @@ import pytest
 
 import faults
 import raydist
+from raydist import testing
 from helpers import DPMP_MESH, Poisoned, rows
 from raydist.driver.dispatch.window import Loss, Window
 from models import Reference, assert_close, assert_params_equal, batches, build, sgd
@@ -171,7 +172,7 @@ def test_steps_run_ahead_and_match_single_process(dispatch):
             assert not losses[-1].done, f"step {len(losses) - 1} was done when its call returned"
         # steps 1 and 2 found room among the 3 in flight: sent, not waited for (3-5 wait for the oldest)
         assert max(took[1:3]) < STEP_S / 2, took
-        assert dm._client.transport == dispatch
+        assert testing.transport(dm) == dispatch
         for step, (loss, (x, y)) in enumerate(zip(losses, data)):
             assert_close(loss, ref.train(x, y), what=f"step {step}")
         dm.predict()
@@ -195,7 +196,7 @@ def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
             dm.wait()
         assert info.value.rank in (2, 3) and info.value.during == "step 3"  # rows 28-31: dp group 1, step 3
         assert time.monotonic() - start < 60
-        assert dm._client.window.messages == 3  # steps 0, 1, then 2-4 together: 3 fails inside a message
+        assert testing.window(dm).messages == 3  # steps 0, 1, then 2-4 together: 3 fails inside a message
 
 
 @pytest.mark.slow
@@ -209,7 +210,7 @@ def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_
                            steps_per_message=4) as dm:  # fmt: skip
         losses = [dm(x, y) for x, y in data]  # 0 alone (the ranks idle); 1-4 and 5-8 together; 9 at the read
         assert_close(losses, expected)
-        assert dm._client.window.messages == 4
+        assert testing.window(dm).messages == 4
         params = dm.state_dict("param")
     assert_params_equal(params, ref.params())
     # 0, 1-3 and 4-6: the death is inside a message
@@ -241,9 +242,9 @@ def test_auto_dispatch_uses_calls_on_cpu_and_compiled_is_asked_for():
     for dispatch, expected in [("auto", "calls"), ("compiled", "compiled")]:
         with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                                dispatch=dispatch) as dm:  # fmt: skip
-            assert dm._client.transport is None  # opened by the first step
+            assert testing.transport(dm) is None  # opened by the first step
             float(dm(x, y))
-            assert dm._client.transport == expected
+            assert testing.transport(dm) == expected
     with pytest.raises(ValueError, match="dispatch"):
         raydist.to_static(build("dp"), num_workers=2, dispatch="fast")
     for bad in (0, "many", True):  # refused at the driver, before any rank starts
@@ -360,7 +361,7 @@ def test_a_control_call_waits_for_the_steps_in_flight():
     with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2,
                            max_in_flight=4) as dm:  # fmt: skip
         losses = [dm(x, y) for x, y in data]
-        pieces = dm._client.call(RankActor.state_dict, "param")
+        pieces = testing.call(dm, RankActor.state_dict, "param")
         assert all(loss.done for loss in losses)
         for x, y in data:
             ref.train(x, y)

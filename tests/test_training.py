@@ -6,6 +6,7 @@ import paddle
 import pytest
 
 import raydist
+from raydist import testing
 from helpers import KillOnce, Pairs, scheduled_sgd, wait_gone
 from models import Reference, assert_close, assert_params_equal, batches, build
 
@@ -353,7 +354,7 @@ def tune_trainable(config):
     data = batches(4, seed=6)  # models travels by value (registered below): Tune's workers cannot import it
     with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), num_workers=2,
                            optimizer=lambda p: paddle.optimizer.SGD(config["trial"]["lr"], parameters=p)) as dm:  # fmt: skip
-        inside = dm._client.group._pg == get_current_placement_group()
+        inside = testing.placement_group(dm) == get_current_placement_group()
         for epoch in range(4):
             if config["trial"]["slow"]:
                 time.sleep(3)  # the other trial reaches each rung first: ASHA compares against it

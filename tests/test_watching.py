@@ -13,6 +13,7 @@ import ray
 
 import faults
 import raydist
+from raydist import testing
 from clusters import start_driver
 from helpers import said, tell
 from models import Reference, Rows, adamw, assert_close, assert_fit_like_one_process, batches, build, sgd
@@ -114,7 +115,7 @@ def test_the_runs_events_of_a_growth_failures_a_restart_and_checkpoints_in_order
                 sizes.append(dm.num_workers)
                 if len(sizes) == 2:
                     remove_placement_group(blocker)
-                    while dm._life.can_grow(look=True) is None:  # raydist's own look sees the room
+                    while testing.lifecycle(dm).can_grow(look=True) is None:  # raydist's own look sees the room
                         time.sleep(0.1)
                 if len(sizes) == 10 and not kills:
                     kill_rank_1("after step 10")
