@@ -67,6 +67,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
     import glob, json, logging, os, sys, tempfile, threading, time
     import numpy as np, paddle, paddle.distributed as dist
     import faults, raydist
+    from raydist import testing
     from models import Rows, adamw, assert_fit_like_one_process, build
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout)  # raydist's account, if this fails
@@ -316,6 +317,7 @@ def test_two_losses_in_a_row_the_second_during_a_save():
     import glob, os, tempfile, threading, time
     import paddle, paddle.distributed as dist
     import faults, raydist
+    from raydist import testing
     from models import Rows, assert_fit_like_one_process, build, sgd
 
     flag = tempfile.mktemp()

@@ -139,7 +139,7 @@ def test_bad_batches_fail_at_the_driver_and_the_model_stays_usable():
 def wait_noticed(dm, pid, timeout=20.0):
     """Until Ray has noticed that the rank of ``pid`` is dead (its actor is DEAD)."""
     deadline = time.monotonic() + timeout
-    actor = testing.actors(dm)[[r.pid for r in dm.ranks].index(pid)]
+    actor = testing.actors(dm)[testing.group(dm).pids.index(pid)]
     while time.monotonic() < deadline:
         try:
             ray.get(actor.ping.remote(), timeout=1)
