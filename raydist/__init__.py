@@ -15,7 +15,7 @@ from .driver.api.model import DistModel, to_static
 from .driver.api.resume import CheckpointInfo, latest_checkpoint
 from .driver.api.status import ModelStatus, RankStatus, models, status
 from .driver.dispatch.window import Loss
-from .errors import GroupShutdownError, RankError, UsageError
+from .errors import GroupShutdownError, RankError, ReplicaMismatchError, UsageError
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "ModelHeldError",
     "ModelStatus",
     "RankError",
+    "ReplicaMismatchError",
     "RankStatus",
     "ShardDataloader",
     "UsageError",

@@ -30,6 +30,28 @@ def _rebuild_rank_error(rank, cause, died, during):
     return RankError(rank, cause, died=died, during=during)
 
 
+class ReplicaMismatchError(RankError):
+    """Data-parallel replicas of a shard disagree (silent data corruption, or a rank that went its
+    own way), found by the replica check (``to_static(..., check_replicas=N)``).
+
+    Attributes:
+        step: the model's train steps when the codes were taken (after that many).
+        ranks: the ranks whose copy differs from the majority's, or, with no majority
+            (two replicas), every rank of the pieces that disagree.
+        names: the state's tensors (parameters, optimizer state) that disagree.
+        rank: the first of ``ranks``.
+    """
+
+    def __init__(self, step: int, ranks: list[int], names: list[str]):
+        self.step, self.ranks, self.names = step, list(ranks), list(names)
+        shown = ", ".join(self.names[:8]) + (f" and {len(self.names) - 8} more" if len(self.names) > 8 else "")
+        super().__init__(self.ranks[0], f"the replicas of {shown} differ on ranks {self.ranks} after "
+                         f"{step} train steps", during="the replica check")  # fmt: skip
+
+    def __reduce__(self):
+        return (ReplicaMismatchError, (self.step, self.ranks, self.names))
+
+
 class GroupShutdownError(RuntimeError):
     """The rank group is gone (shut down, or torn down after a failure)."""
 

@@ -226,3 +226,15 @@ class ReadOrder:
     keys: tuple[Any, ...]
     prefetch: int
     chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MirrorPlan:
+    """What the driver tells a rank of its peer memory and replica check (`RankActor.mirror`,
+    `raydist.worker.mirror`, `raydist.worker.replicas`)."""
+
+    every: int | None  # train steps between copies (None: no peer memory)
+    generation: int  # the group's number: copies of different groups never mix
+    base: int  # the model's train steps so far (its state is after them): the rank's count goes on from it
+    keeper: Any = None  # the handle of the keeper on another node
+    check_every: int | None = None  # train steps between two replica checks (None: none)

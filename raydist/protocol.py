@@ -22,8 +22,8 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import (INLINE_BYTES, BuildReport, Parcel, Progress, RankAnswers, ReadOrder, Reattached, StepResults,
-                       pack, unpack)
+from .messages import (INLINE_BYTES, BuildReport, MirrorPlan, Parcel, Progress, RankAnswers, ReadOrder, Reattached,
+                       StepResults, pack, unpack)
 from .net import free_port
 from .topology import ModePlan
 
@@ -271,6 +271,33 @@ class RankActor(Member):
     @ray.method(concurrency_group=ASIDE)
     def ping(self) -> Progress | None:
         return self.model.progress() if self.model is not None else None
+
+    def mirror(self, plan: MirrorPlan, copy_now: int | None = None) -> None:
+        """Peer memory and the replica check from now on (`raydist.worker.mirror`,
+        `raydist.worker.replicas`); ``copy_now``: a copy of the state as it is, counted as after
+        that many train steps (a restart's restored state)."""
+        from .worker.mirror import Mirror
+        from .worker.replicas import ReplicaHashes
+
+        model = self.model
+        if model.mirror is not None:
+            model.mirror.close()
+        model.mirror = Mirror(self.rank, plan, model.trained) if plan.every else None
+        model.hashes = ReplicaHashes(self.rank, plan.check_every, plan.base, model.trained) if plan.check_every else None
+        if copy_now is not None and model.mirror is not None:
+            model.mirror.copy(copy_now, model._state_copy)
+
+    @ray.method(concurrency_group=ASIDE)
+    def mirrored(self) -> dict[int, Any]:
+        """This rank's own peer-memory copies, by train-step index (after a peer died)."""
+        mirror = self.model.mirror if self.model is not None else None
+        return mirror.copies() if mirror is not None else {}
+
+    @ray.method(concurrency_group=ASIDE)
+    def replica_codes(self, index: int) -> dict[str, tuple[tuple, int]] | None:
+        """The codes of this rank's shards after ``index`` train steps (`raydist.worker.replicas`)."""
+        hashes = self.model.hashes if self.model is not None else None
+        return hashes.take(index) if hashes is not None else None
 
     @ray.method(concurrency_group=ASIDE)
     def live_state(self, wait_s: float) -> tuple[int, dict] | None:

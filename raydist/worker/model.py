@@ -19,6 +19,8 @@ from ..strategy import pipeline_stages
 from ..topology import Mesh, ModePlan
 from .runner import StaticRunner
 from .schedule import RankSchedule
+from .mirror import Mirror
+from .replicas import ReplicaHashes
 from .steplog import StepLog
 
 
@@ -42,6 +44,8 @@ class ModelService:
         self._idle = threading.Event()  # no step running: the state is between two steps
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # background checkpoint writes
         self._writes: dict[str, concurrent.futures.Future] = {}  # directory -> its write
+        self.mirror: Mirror | None = None  # peer memory (`raydist.worker.mirror`), if the model has it
+        self.hashes: ReplicaHashes | None = None  # the replica check's codes (`raydist.worker.replicas`)
         self._idle.set()
 
     @property
@@ -149,6 +153,8 @@ class ModelService:
             self.schedule.apply(message.lr)
         if training:
             self.schedule.sync()
+            if self.mirror is not None:
+                self.mirror.before_step(self.trained)
         if isinstance(message, ArraysStep):
             # copies: the message's arrays may live in a channel's buffer, which
             # Ray reuses only once nothing refers to them
@@ -163,7 +169,14 @@ class ModelService:
             self._idle.set()
         if training:
             self.trained, self.broke_off = self.trained + 1, False
+            if self.hashes is not None:
+                self.hashes.after_step(self.trained, self._state_copy)
+            if self.mirror is not None:
+                self.mirror.after_step(self.trained, self._state_copy)
         return results
+
+    def _state_copy(self) -> dict:
+        return self.runner.state_dict("all")  # copies: host memory the next steps leave alone
 
     def live_state(self, wait_s: float) -> tuple[int, bool, dict] | None:
         """After a peer died: (train steps completed, whether the last one broke off at a

@@ -59,9 +59,13 @@ class Training(Protocol):
     metrics: "RunMetrics"  # the run's Ray metrics (fit tells it the batch size and each step's loss)
     rates: "LearningRate"  # the ranks' learning rate (its value, for callbacks that read or set it)
 
-    def restart(self) -> bool:
-        """A fresh group of ranks after a failure, with the newest state; whether it is the
-        survivors' (the loop goes on) rather than a checkpoint's (the loop goes back to it)."""
+    peer_memory: int | None  # train steps between copies of the ranks' state in peer memory (None: off)
+
+    def restart(self) -> int | None:
+        """A fresh group of ranks after a failure, with the newest state: how many completed train
+        steps it stands behind the last completed one (0: the survivors' state, or peer memory's with
+        the steps since replayed; the loop feeds that many again), or None (a checkpoint's or the
+        initial state: the loop goes back to it)."""
 
     def at_boundary(self, look: bool = False, before: Callable[[], Any] | None = None) -> str | None:
         """Between two train steps: act on a preemption notice, else grow if there is room
@@ -97,8 +101,11 @@ def fit(
             raise ValueError(f"{name} must be a positive number, got {value!r}")
     if peak_flops is not None and flops_per_sample is None:
         raise ValueError("peak_flops (for MFU) needs flops_per_sample")
-    if (checkpoint_every or max_failures or resume or keep_last) and not checkpoint_dir:
-        raise ValueError("checkpoint_every, max_failures, resume and keep_last need a checkpoint_dir")
+    if (checkpoint_every or resume or keep_last) and not checkpoint_dir:
+        raise ValueError("checkpoint_every, resume and keep_last need a checkpoint_dir")
+    if max_failures and not checkpoint_dir and not training.peer_memory:
+        raise ValueError("max_failures needs a checkpoint_dir, or a model with peer memory "
+                         "(to_static(..., peer_memory=K))")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive int (the newest checkpoints to keep), got {keep_last!r}")
     if eval_every is not None and eval_loader is None:
@@ -159,10 +166,11 @@ def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max
                         raise
                     log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
                 run.keep_completed()
-                if training.restart():
-                    run.go_on()
-                else:
+                behind = training.restart()
+                if behind is None:
                     run.rewind()
+                else:
+                    run.go_back(behind)
         if checkpoint_dir:
             run.finish()
         run.callbacks.on_end("train", run.logs)
@@ -356,13 +364,18 @@ class _Run:
             pass
         self.pending.clear()
 
-    def go_on(self) -> None:
-        """On from the last completed step (the restart restored the survivors' state, which is after it)."""
-        self.position = divmod(len(self.history), len(self.loader))
+    def go_back(self, behind: int) -> None:
+        """On from ``behind`` steps before the last completed one (the restart restored the survivors'
+        state, which is after it, or peer memory's, ``behind`` steps before it)."""
+        done = len(self.history) - behind
+        del self.history[done:]
+        self.position = divmod(done, len(self.loader))
+        self.bar.n = done
+        self.bar.refresh()
 
     def rewind(self) -> None:
         """Back to the newest complete checkpoint (the restart restored its state)."""
-        found = runs.latest_checkpoint(self.directory)  # what the restart loaded (none: the initial state)
+        found = runs.latest_checkpoint(self.directory) if self.directory else None  # what the restart loaded
         self.position, done = (tuple(found.position), found.steps) if found is not None else ((0, 0), 0)
         del self.history[done:]
         self.bar.n = done

@@ -114,6 +114,24 @@ class DistModel:
             `shutdown` ends it. Needs a ``name`` and a Ray cluster (``ray start
             --head``, or ``RAY_ADDRESS``): a local Ray this process starts ends
             with it. See `raydist.driver.lifecycle.detached`.
+        peer_memory: every this many train steps, each rank hands a copy of its
+            shards (parameters, optimizer state) to host memory on another node,
+            off the step's path. After a rank or a node dies where no data-parallel
+            replica holds its shards (tensor, pipeline parallel), a restart (in
+            ``fit`` too, which then needs no ``checkpoint_dir``) builds the state
+            from the newest complete copy and replays the train steps since from
+            the same batches: no disk is read, and the run equals one that never
+            failed. Only a rank and its copy's node both lost fall back to the
+            last checkpoint. None: off. See `raydist.driver.lifecycle.peers`.
+        check_replicas: every this many train steps, the data-parallel replicas
+            of each shard (parameters, optimizer state) are compared by a CRC-32
+            of their bits, beside the steps. Replicas that disagree are a
+            `raydist.ReplicaMismatchError` at the next train call (the ranks,
+            the tensors, the step), and the ranks are torn down: ``restart()``
+            (``fit`` with ``max_failures``) goes back to the newest copy no later
+            than the last check that passed and replays the steps since. None: off.
+        replica_mismatch: "raise" (the error above) or "warn" (logged, and the
+            run goes on).
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -145,10 +163,14 @@ class DistModel:
         step_timeout_s: float | None = 900.0,
         spare_ranks: int = 0,
         detached: bool = False,
+        peer_memory: int | None = None,
+        check_replicas: int | None = None,
+        replica_mismatch: str = "raise",
     ) -> None:
         check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, max_in_flight=max_in_flight,
                         steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks, name=name,
-                        detached=detached)  # fmt: skip
+                        detached=detached, peer_memory=peer_memory,
+                        check_replicas=check_replicas, replica_mismatch=replica_mismatch)  # fmt: skip
         inputs, labels = input_specs(input_spec, loader)
         sizes = group_sizes(num_workers, (inputs or []) + (labels or []), loader, spare_ranks)
         payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
@@ -158,7 +180,9 @@ class DistModel:
         shard_loader = loader if isinstance(loader, ShardDataloader) else None  # read by the ranks
         config = GroupConfig(sizes.max, use_gpu, resources_per_rank, placement_strategy, master_port,
                              placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s,
-                             preload=("ray.data",) if shard_loader is not None else (), detached=detached)  # fmt: skip
+                             preload=("ray.data",) if shard_loader is not None else (), detached=detached,
+                             peer_memory=peer_memory, check_replicas=check_replicas,
+                             replica_mismatch=replica_mismatch)  # fmt: skip
         init_ray(sizes.max, resources_per_rank, use_gpu)
         auto = "compiled" if dispatch == "auto" and use_gpu and not detached else dispatch
         self._wire(config, sizes, Dispatch(max_in_flight, steps_per_message, auto), payload, metrics or [], specs,
@@ -266,13 +290,14 @@ class DistModel:
         modes = self._modes
         mode = modes.mode
         if mode == "train":  # a step boundary: move off a draining node, or grow (see Lifecycle.at_boundary)
+            self._life.verify()
             self._life.at_boundary()
         message = modes.message(list(leaves(args)), self._rates.take_changes)
         plan = modes.plans[mode]
         rate = self._rates.position() if mode == "train" else None
         client = self._client
         step = client.step(message, lambda results: combine(plan, mode, results))
-        self._life.sent(step.number, mode == "train", rate)
+        self._life.sent(step.number, mode == "train", rate, message)
         return step.result() if mode == "predict" else Loss(step)
 
     def wait(self) -> None:

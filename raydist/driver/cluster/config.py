@@ -45,6 +45,11 @@ class GroupConfig:
         detached: the actors and their placement group outlive the driver (Ray's
             ``lifetime="detached"``, in the namespace `DETACHED_NAMESPACE`, where
             any later driver finds them by name); see `raydist.driver.lifecycle.detached`.
+        peer_memory: every this many train steps, each rank's state is copied to host
+            memory on another node (`raydist.driver.lifecycle.peers`); None: never.
+        check_replicas: every this many train steps, the data-parallel replicas of each
+            shard are compared (`raydist.driver.lifecycle.replicas`); None: never.
+        replica_mismatch: "raise" (a `ReplicaMismatchError`) or "warn" (logged only).
     """
 
     num_workers: int
@@ -60,6 +65,9 @@ class GroupConfig:
     actor_class: type[Member] = RankActor
     preload: tuple[str, ...] = ()
     detached: bool = False
+    peer_memory: int | None = None
+    check_replicas: int | None = None
+    replica_mismatch: str = "raise"
 
     def bundle(self) -> dict[str, float]:
         if self.resources_per_rank is not None:

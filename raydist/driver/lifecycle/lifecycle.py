@@ -27,6 +27,8 @@ import ray
 
 from ... import checkpoint
 from ...errors import RankError
+from ...errors import ReplicaMismatchError
+from ...messages import ArraysStep, MirrorPlan
 from ...protocol import RankActor
 from ..dispatch.client import RankClient
 from ..cluster.sizes import Sizes, size_now
@@ -38,7 +40,9 @@ from ..watching.events import Events
 from ..watching.metrics import RunMetrics
 from .preemption import DrainWatch, Notice
 from ..cluster.placement import placeable_now
-from .recovery import Recovery
+from .peers import PeerMemory
+from .recovery import LIVE_STATE_WAIT_S, Recovery, assemble_live
+from .replicas import ReplicaCheck
 from ..cluster.spares import SparePool
 
 if TYPE_CHECKING:
@@ -77,8 +81,13 @@ class Lifecycle:
         self.modes, self.rates, self.state = modes, rates, state
         state.on_change = _weakly(self.publish)  # a new last checkpoint
         self.recovery = Recovery()
+        # peer memory (`raydist.driver.lifecycle.peers`): keepers named after the first group
+        self.peers: PeerMemory | None = None
+        self.peer_memory = config.peer_memory
+        self.replicas = ReplicaCheck(config.check_replicas, config.replica_mismatch == "warn") \
+            if config.check_replicas else None  # fmt: skip
+        self._mismatched = False  # the last failure was a replica mismatch: copies after the last clean check are not
         self.spares = SparePool(config, spare_ranks)
-        self.went_on_live = False  # whether the last restart went on from the survivors' state
         self.client: RankClient | None = None
         self.meshes: list = []  # of the layer's parameters, as the live group built them
         self._room: RoomWatch | None = None
@@ -97,9 +106,11 @@ class Lifecycle:
     # -- starting --------------------------------------------------------------------
 
     def start(self, first_step: int = 0, size: int | None = None, freed: int = 0,
-              placement_timeout_s: float | None = None) -> None:  # fmt: skip
+              placement_timeout_s: float | None = None, base: int = 0, mirror: bool = True) -> None:  # fmt: skip
         """A new group of ``size`` ranks (or the largest accepted size the cluster holds now; ``freed``:
-        ranks a group just let go of), spare ranks first; the model built on it, the parts told."""
+        ranks a group just let go of), spare ranks first; the model built on it, the parts told.
+        ``base``: the train steps the state it gets is after; ``mirror``: start its peer memory now
+        (else the caller does, once the group has its state: `_mirror`)."""
         spares = self.spares.take(size or self.sizes.max)
         if size is None:
             size = size_now(self.sizes, self.config.bundle(), freed, held=len(spares))
@@ -110,7 +121,7 @@ class Lifecycle:
         if placement_timeout_s is not None:
             config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
         group = RankGroup(config, spares)
-        client = self._took(group, first_step)
+        client = self._took(group, first_step, base)
         try:
             report = client.call(RankActor.build, ray.put(self.payload))[0]
         except BaseException:
@@ -122,9 +133,11 @@ class Lifecycle:
         self.state.client = client
         self.modes.resume()
         client.after_first_step(self.spares.fill)  # spares' Paddle import would slow the start
+        if mirror:
+            self._mirror(base)
         self._watching()
 
-    def _took(self, group: RankGroup, first_step: int) -> RankClient:
+    def _took(self, group: RankGroup, first_step: int, base: int = 0) -> RankClient:
         """``group`` is the live one, its steps numbered from ``first_step``: its client. It stops when
         this model is dropped (if it is detached, this driver lets go of it instead)."""
         if not self.events.model:
@@ -138,8 +151,42 @@ class Lifecycle:
         self.client = client
         stop = self.hold.release if self.hold is not None else client.close
         self._finalizer = weakref.finalize(self, _on_a_thread(stop))
-        self.recovery.started((d.max_in_flight + 1) * client.window.most + 2)
+        # the steps in flight, and with peer memory the steps since the copy before the last one
+        keep = (d.max_in_flight + 1) * client.window.most + 2 + 2 * (self.peer_memory or 0)
+        self.recovery.started(keep, base)
         return client
+
+    def _mirror(self, base: int, forget: bool = True) -> None:
+        """The live group (its state after ``base`` train steps) copies its state into peer memory from
+        now on, and now if it holds a train state (a new model's first state the builders make again),
+        and checks its replicas. ``forget=False``: the copies before count the same steps (a restart
+        from peer memory or the survivors' state, a resize): they stay until the group's own are complete."""
+        group, check = self.client.group, self.config.check_replicas
+        if self.peer_memory:
+            if self.peers is None:
+                self.peers = PeerMemory(self.peer_memory, group.prefix, self.config.detached)
+            self.peers.attach(group, base, copy_now=self.modes.built("train"), forget=forget, check_every=check)
+        elif check:
+            plan = MirrorPlan(None, 0, base, check_every=check)
+            group.gather([a.mirror.remote(plan) for a in group.actors], "the replica check")
+        if self.replicas is not None:
+            self.replicas.started(group.actors, base)
+
+    def verify(self) -> None:
+        """Before a train step: compare the replica checks that came back; a `ReplicaMismatchError`
+        if replicas disagree (then the group is torn down, as after a failure)."""
+        if self.replicas is None:
+            return
+        self.replicas.poll(self.recovery.completed(self.client.window.completed))
+        try:
+            self.replicas.raise_found()
+        except ReplicaMismatchError as e:
+            log.error("raydist: %s", e.cause)
+            self.events.emit("replica_mismatch", self.step(), ranks=e.ranks, names=e.names[:50], after=e.step)
+            self._mismatched = True
+            self.client.drain()  # the steps in flight complete: a restart replays up to the last of them
+            self.close()
+            raise
 
     def _watching(self) -> None:
         """The live group is ready: watch for room, drains and (detached) the hold; publish it."""
@@ -164,7 +211,7 @@ class Lifecycle:
         if len({s.trained for s in stands}) > 1 or any(s.broke_off for s in stands):
             group.shutdown()
             return self._start_over(f"the ranks stand at different train steps {[s.trained for s in stands]}")
-        client = self._took(group, max(s.next_step for s in stands))
+        client = self._took(group, max(s.next_step for s in stands), stands[0].trained)
         self.modes.adopt(client, meshes, stands[0].built)
         self.rates.started(stands[0].learning_rate)
         self.rates.catch_up(rate)
@@ -173,6 +220,7 @@ class Lifecycle:
             self.state.built("train" in stands[0].built)
         self.modes.mode = mode
         self.modes.resume()
+        self._mirror(stands[0].trained)
         self._watching()
 
     def _start_over(self, why: str) -> None:
@@ -203,11 +251,11 @@ class Lifecycle:
     def _published(self, event: dict) -> None:
         self.publish()
 
-    def sent(self, number: int, train: bool, rate: Any) -> None:
-        """Step ``number`` was sent (a train step runs with the learning rate ``rate``): recovery
-        can replay a train step, and the metrics count every step."""
+    def sent(self, number: int, train: bool, rate: Any, message: Any = None) -> None:
+        """Step ``number`` was sent (a train step runs with the learning rate ``rate``; ``message``: what
+        it carried): recovery can replay a train step, and the metrics count every step."""
         if train:
-            self.recovery.sent(number, rate)
+            self.recovery.sent(number, rate, message if self.peer_memory else None)
         self.metrics.tick(self.client, self.sizes)
 
     def step(self) -> int:
@@ -229,6 +277,7 @@ class Lifecycle:
         self._stop_watching_room()
         if self.client is not None:
             self.client.group.let_go(why)
+        self.peers = None  # the keepers are the new driver's
 
     # -- replacing the group -----------------------------------------------------------
 
@@ -240,31 +289,105 @@ class Lifecycle:
         """Wait until the checkpoint being written in the background is complete."""
         self.state.wait_saved()
 
-    def restart(self) -> bool:
-        """A fresh group (after a failure), with the newest state there is; whether that was the
-        survivors' (else the last checkpoint's, or the initial parameters). See `raydist.DistModel.restart`."""
+    def restart(self) -> int | None:
+        """A fresh group (after a failure), with the newest state there is: the survivors' (if they
+        hold all of it), else peer memory's newest complete copy and the train steps since replayed,
+        else the last checkpoint's, or the initial parameters. Returns how many completed train steps
+        the state stands behind the last one that completed: 0 (on from there), a number (peer
+        memory, whose steps since came from a loader: the caller feeds them again), or None (a
+        checkpoint's or the initial state). See `raydist.DistModel.restart`."""
         self.state.wait_saved()  # a background save ends first: committed, or gone with the ranks
         salvaged = self.recovery.take()
         first_step, done = self.client.window.submitted, self.client.window.completed
+        completed = self.recovery.completed(done)
+        resume_rate = self.recovery.resume_rate(done, self.rates.position())
+        copy, newest = None, completed
+        if self._mismatched:  # the copies after the last check that passed may hold the corruption
+            salvaged, newest, self._mismatched = None, min(completed, self.replicas.clean), False
+        if salvaged is None and self.peers is not None:
+            copy = self._newest_copy(completed, newest)
         freed = self.client.group.live_bundles()
         self.close()
-        self.start(first_step, freed=freed)
-        self.went_on_live = salvaged is not None
         path = self.state.last_checkpoint
+        behind: int | None = 0
         if salvaged is not None:
             state, rate, trained = salvaged
+            self.start(first_step, freed=freed, base=self.recovery.base + trained, mirror=False)
             self._put_back(state, rate)
+            self._mirror(self.recovery.base, forget=False)
             log.warning("raydist: went on from the state the surviving ranks held after %d train steps "
                         "(no checkpoint read)", trained)  # fmt: skip
-            source, behind = "replicas", 0
-        elif path is not None:
-            self.state.load(path, self.modes.built("train"))
-            source, behind = "checkpoint", done - checkpoint.read_manifest(path).get("step", 0)
+            source, replayed = "replicas", 0
+        elif copy is not None:
+            index, state, steps = copy
+            self.start(first_step, freed=freed, base=index, mirror=False)
+            if state is not None:
+                self._put_back(state, None)
+            self._mirror(index, forget=False)
+            replayed = self._replay(steps, resume_rate)
+            behind = len(steps) - replayed
+            log.warning("raydist: went on from peer memory's copy after %d train steps (no checkpoint read); "
+                        "replayed %d train steps%s", index, replayed,
+                        f", {behind} more to feed again" if behind else "")  # fmt: skip
+            source, replayed = "peer_memory" if state is not None else "start", len(steps)
         else:
-            source, behind = "start", done
+            if self.peers is not None:
+                log.warning("raydist: peer memory holds no complete copy (a rank and the node of its copy both "
+                            "died): %s", f"back to the checkpoint {path}" if path else "starting over")
+            self.start(first_step, freed=freed, mirror=False)
+            if path is not None:
+                self.state.load(path, self.modes.built("train"))
+                source, replayed = "checkpoint", done - checkpoint.read_manifest(path).get("step", 0)
+            else:
+                source, replayed = "start", done
+            self._mirror(0)
+            behind = None
         self.events.emit("restart", first_step, size=self.client.size, source=source,
-                         checkpoint=path if source == "checkpoint" else None, replayed=max(0, behind))  # fmt: skip
-        return self.went_on_live
+                         checkpoint=path if source == "checkpoint" else None, replayed=max(0, replayed))  # fmt: skip
+        return behind
+
+    def _newest_copy(self, completed: int, newest: int) -> tuple[int, dict | None, list] | None:
+        """The newest state peer memory can give at or before ``newest`` train steps, whole (every
+        shard of a copy made after the same step) and with the steps since kept up to ``completed``:
+        (its index, the state or None for the initial one, the (rate, message) of each step since)."""
+        for (generation, index), holders in sorted(self.peers.copies().items(), key=lambda kv: kv[0][::-1],
+                                                   reverse=True):  # fmt: skip
+            steps = self.recovery.since(index, completed) if index <= newest else None
+            if steps is None:
+                continue
+            try:
+                answers = {rank: (index, False, self.peers.read(held)) for rank, held in holders.items()}
+            except Exception as e:  # noqa: BLE001 - a keeper lost meanwhile: an older copy may do
+                log.warning("raydist: a copy after %d train steps could not be read: %s", index, e)
+                continue
+            found = assemble_live(answers, self.state.names)
+            if not isinstance(found, str):
+                return index, found[1], steps
+        if self.recovery.base == 0 and self.state.last_checkpoint is None:
+            steps = self.recovery.since(0, completed)
+            if steps is not None:  # no copy yet: the initial state, which the builders make again
+                return 0, None, steps
+        return None
+
+    def _replay(self, steps: list[tuple[Any, Any]], resume_rate: Any) -> int:
+        """Run again the train steps ``steps`` ((rate, message) each) that came from the driver's
+        batches, in order, up to the first that came from a loader; the learning rate then where the
+        next step (that one, or the first that did not complete) runs with. How many ran."""
+        replayed, mode = 0, self.modes.mode
+        for rate, message in steps:
+            if not isinstance(message, ArraysStep):
+                break
+            self.rates.go_to(rate)
+            self.modes.mode = "train"
+            again = self.modes.message(list(message.arrays), self.rates.take_changes)
+            step = self.client.step(again, lambda results: None)
+            self.sent(step.number, True, rate, again)
+            replayed += 1
+        self.client.drain()
+        if self.modes.mode != mode:
+            self.modes.switch(mode)
+        self.rates.go_to(steps[replayed][0] if replayed < len(steps) else resume_rate)
+        return replayed
 
     def can_grow(self, look: bool = False) -> int | None:
         """A larger accepted size the cluster had room for when last looked at (every `ROOM_POLL_S`), if any;
@@ -320,16 +443,19 @@ class Lifecycle:
         state = self.state.state_dict("all" if self.modes.built("train") else "param")
         rate = self.rates.position()
         first_step = self.client.window.submitted
+        base = self.recovery.base + self.recovery.trained  # at a boundary: every step sent completed
         freed, before = self.client.group.live_bundles(), self.client.size
         self._stop_watching_room()
         self._finalizer.detach()
         self.client.close(drain=True)
         try:  # the room seen a moment ago may be gone (taken by another job, a node lost again)
-            self.start(first_step, size=size, freed=freed, placement_timeout_s=GROW_PLACEMENT_S)
+            self.start(first_step, size=size, freed=freed, placement_timeout_s=GROW_PLACEMENT_S, base=base,
+                       mirror=False)  # fmt: skip
         except TimeoutError:
             log.warning("raydist: no room for %d ranks after all; going on at the size that fits", size)
-            self.start(first_step)
+            self.start(first_step, base=base, mirror=False)
         self._put_back(state, rate)
+        self._mirror(base, forget=False)
         self.events.emit("resize", first_step, to=self.client.size, why=why, **{"from": before})
 
     def _salvage(self, group: RankGroup) -> None:
@@ -337,6 +463,8 @@ class Lifecycle:
         if self.client is None or group is not self.client.group or not self.modes.built("train"):
             return
         self.recovery.salvage(group, self.state.names, self.client.window.oldest, self.rates.position())
+        if self.peers is not None:  # the survivors' own copies, before the group is torn down
+            self.peers.salvage(group, LIVE_STATE_WAIT_S)
 
     def _put_back(self, state: dict, rate: Any) -> None:
         """Give the new group the state and learning rate of the one before."""
@@ -384,6 +512,8 @@ class Lifecycle:
         finally:
             self._stop_spares.detach()
             self.spares.shutdown()
+            if self.peers is not None:
+                self.peers.shutdown()
 
 
 class RoomWatch:

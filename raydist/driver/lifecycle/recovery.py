@@ -38,17 +38,38 @@ class Recovery:
     def __init__(self) -> None:
         self.started(0)
 
-    def started(self, keep: int) -> None:
+    def started(self, keep: int, base: int = 0) -> None:
         """A new group: no train step sent to it yet. ``keep``: how many of the latest to remember
-        (more than can be in flight)."""
+        (more than can be in flight, and with peer memory the steps since the last copies);
+        ``base``: the train steps the model's state is after (the model's count goes on from it)."""
+        self.base = base
         self.trained = 0  # train steps sent to this group
-        self._sent: collections.deque = collections.deque(maxlen=max(keep, 1))  # (index, step number, rate)
+        # (train-step index over the model's life, step number, rate, message)
+        self._sent: collections.deque = collections.deque(maxlen=max(keep, 1))
         self._salvaged: tuple[dict, Any, int] | None = None
 
-    def sent(self, number: int, rate: Any) -> None:
-        """Train step ``number`` was sent, to run with learning rate ``rate`` (`LearningRate.position`)."""
-        self._sent.append((self.trained, number, rate))
+    def sent(self, number: int, rate: Any, message: Any = None) -> None:
+        """Train step ``number`` was sent, to run with learning rate ``rate`` (`LearningRate.position`);
+        ``message``: what it carried (kept for a replay from peer memory)."""
+        self._sent.append((self.base + self.trained, number, rate, message))
         self.trained += 1
+
+    def completed(self, done: int) -> int:
+        """The train steps the model completed (over its life), ``done``: the number of the first
+        step of any mode that did not complete."""
+        return self.base + self.trained - sum(1 for _, number, _, _ in self._sent if number >= done)
+
+    def since(self, index: int, completed: int) -> list[tuple[Any, Any]] | None:
+        """(rate, message) of the train steps from ``index`` (over the model's life) to ``completed``,
+        in order; None if the oldest of them is no longer kept."""
+        kept = [(i, rate, message) for i, _, rate, message in self._sent if index <= i < completed]
+        if len(kept) != completed - index:
+            return None
+        return [(rate, message) for _, rate, message in kept]
+
+    def resume_rate(self, done: int, rate_now: Any) -> Any:
+        """The learning rate the first step that did not complete ran with (else ``rate_now``)."""
+        return next((rate for _, number, rate, _ in self._sent if number >= done), rate_now)
 
     def salvage(self, group: RankGroup, names: set[str], failing: int | None, rate_now: Any) -> None:
         """A rank of ``group`` died: keep the state its survivors hold (tensors ``names``) if they hold all
@@ -59,12 +80,12 @@ class Recovery:
             log.warning("raydist: %s: a restart goes back to the last checkpoint", found)
             return
         trained, state = found
-        unfinished = [i for i, number, _ in self._sent if failing is not None and number >= failing]
+        unfinished = [i - self.base for i, number, _, _ in self._sent if failing is not None and number >= failing]
         if trained != self.trained - len(unfinished):
             log.warning("raydist: the surviving ranks are after %d train steps, the driver saw %d complete: a "
                         "restart goes back to the last checkpoint", trained, self.trained - len(unfinished))
             return
-        rate = rate_now if not unfinished else next(r for i, _, r in self._sent if i == trained)
+        rate = rate_now if not unfinished else next(r for i, _, r, _ in self._sent if i - self.base == trained)
         self._salvaged = (state, rate, trained)
 
     def take(self) -> tuple[dict, Any, int] | None:

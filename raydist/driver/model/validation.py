@@ -22,7 +22,8 @@ DISPATCH = ("auto", "compiled", "calls", "tree")
 
 def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gpu: bool, max_in_flight: Any,
                     steps_per_message: Any, dispatch: Any, spare_ranks: Any, name: Any = None,
-                    detached: bool = False) -> None:  # fmt: skip
+                    detached: bool = False, peer_memory: Any = None, check_replicas: Any = None,
+                    replica_mismatch: Any = "raise") -> None:  # fmt: skip
     """Refuse arguments that cannot make a model (see `raydist.DistModel` for what each takes)."""
     import paddle
 
@@ -69,6 +70,11 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
         raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
     if not isinstance(spare_ranks, int) or isinstance(spare_ranks, bool) or spare_ranks < 0:
         raise ValueError(f"spare_ranks must be an int >= 0, got {spare_ranks!r}")
+    for option, value in (("peer_memory", peer_memory), ("check_replicas", check_replicas)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{option} must be None or an int >= 1 (train steps between two), got {value!r}")
+    if replica_mismatch not in ("raise", "warn"):
+        raise ValueError(f"replica_mismatch must be 'raise' or 'warn', got {replica_mismatch!r}")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     if detached:

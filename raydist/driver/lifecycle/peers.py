@@ -1,0 +1,167 @@
+"""Peer memory: every K train steps each rank's state, copied to host memory on another node.
+
+``to_static(..., peer_memory=K)``. A rank copies its shards after every K-th train
+step and a thread of its own hands the copy to a `Keeper` (`raydist.worker.mirror`);
+the keeper owns it in its node's object store, so the copy outlives the rank that
+made it and its node. A keeper is a small actor (no CPU) pinned to a node; the
+copies of the ranks on one node go to the keeper of the next node that runs ranks
+of the model (in node order), or, when the ranks run on one node, of any other
+node there is. A rank keeps its own reference too: after a node's loss the
+survivors still have theirs even where their keeper went with the node.
+
+After a rank died and no data-parallel replica holds its shards, a restart builds
+the whole state from the newest copy that every shard has (the survivors' own,
+and the keepers'), then replays the train steps since it from the driver's
+batches (`raydist.driver.lifecycle.recovery`): no disk is read. Only when a rank
+and its copy's node both died does the restart fall back to the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ...messages import MirrorPlan
+from ...protocol import RankActor
+from ..cluster.config import DETACHED_NAMESPACE, call_on
+from ..cluster.group import RankGroup
+
+log = logging.getLogger("raydist")
+
+KEEPER_WAIT_S = 10.0  # how long a restart waits for the keepers to say what they hold
+
+
+class Keeper:
+    """Holds the ranks' copies on its node, each an object of its own (it owns them): by (group
+    generation, rank, train-step index)."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, int, int], ray.ObjectRef] = {}
+
+    def keep(self, generation: int, rank: int, index: int, keep_from: int | None, ref: list) -> None:
+        """Keep a copy of ``ref[0]`` (the rank's own object: in a list, so it arrives unread);
+        ``keep_from``: this generation's index that every rank holds, older ones go."""
+        self._held[(generation, rank, index)] = ray.put(ray.get(ref[0]))
+        if keep_from is not None:
+            for key in [k for k in self._held if k[0] < generation or (k[0] == generation and k[1] == rank
+                                                                        and k[2] < keep_from)]:  # fmt: skip
+                del self._held[key]
+
+    def forget(self, before: int) -> None:
+        """Let go of the copies of generations before ``before`` (a model whose steps count anew)."""
+        self._held = {k: v for k, v in self._held.items() if k[0] >= before}
+
+    def held(self) -> list[tuple[int, int, int]]:
+        """(generation, rank, index) of every copy held."""
+        return sorted(self._held)
+
+    def take(self, keys: list[tuple[int, int, int]]) -> list[list[ray.ObjectRef]]:
+        """The copies of ``keys`` (each in a list: the keeper stays their owner)."""
+        return [[self._held[tuple(k)]] for k in keys]
+
+
+def keeper_nodes(rank_nodes: Sequence[str], alive: Sequence[str]) -> list[str]:
+    """For each rank (by the node it runs on), the node its copies go to: the next node that runs
+    ranks, in node order; with every rank on one node, the first other ``alive`` node; with no
+    other node, its own."""
+    ring = sorted(set(rank_nodes))
+    others = sorted(n for n in alive if n not in ring)
+    out = []
+    for node in rank_nodes:
+        if len(ring) > 1:
+            out.append(ring[(ring.index(node) + 1) % len(ring)])
+        else:
+            out.append(others[0] if others else node)
+    return out
+
+
+class PeerMemory:
+    """The model's keepers and its generations of copies (one generation per group of ranks)."""
+
+    def __init__(self, every: int, prefix: str, detached: bool):
+        self.every, self.prefix, self.detached = every, prefix, detached
+        self.generation = 0
+        self._keepers: dict[str, Any] = {}  # node id -> keeper
+        self.local: dict[tuple[int, int, int], Any] = {}  # survivors' own copies, taken after a death
+
+    def attach(self, group: RankGroup, base: int, copy_now: bool = False, forget: bool = False,
+               check_every: int | None = None) -> None:
+        """``group`` (its state after ``base`` train steps) copies its state every ``every`` train
+        steps; ``copy_now``: and now. ``forget``: the copies before are of another count of steps
+        (the state came from a checkpoint, or another driver): let them go."""
+        self.generation = max(self.generation + 1, time.time_ns())  # above any earlier driver's
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        targets = keeper_nodes([p.node_id for p in group.places], alive)
+        plans = [MirrorPlan(self.every, self.generation, base, self._keeper(node), check_every) for node in targets]
+        if forget:
+            self.local = {}
+            ray.get([k.forget.remote(self.generation) for k in self._keepers.values()])
+        group.gather([a.mirror.remote(plan, base if copy_now else None) for a, plan in zip(group.actors, plans)],
+                     "peer memory")  # fmt: skip
+
+    def _keeper(self, node: str) -> Any:
+        keeper = self._keepers.get(node)
+        if keeper is None:
+            lifetime = {"lifetime": "detached", "namespace": DETACHED_NAMESPACE} if self.detached else {}
+            keeper = ray.remote(Keeper).options(
+                name=f"{self.prefix}-keeper-{node[:12]}", get_if_exists=True, num_cpus=0, max_concurrency=1,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), **lifetime,
+            ).remote()  # fmt: skip
+            self._keepers[node] = keeper
+        return keeper
+
+    def salvage(self, group: RankGroup, wait_s: float) -> None:
+        """A rank of ``group`` died: take the survivors' own copies before the group is torn down."""
+        refs = call_on(group.actors, RankActor.mirrored)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        self.local = {}
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    for index, state in ray.get(ref).items():
+                        self.local[(self.generation, rank, index)] = state
+                except Exception:  # noqa: BLE001 - a dead rank: it has nothing
+                    continue
+
+    def copies(self) -> dict[tuple[int, int], dict[int, Any]]:
+        """Every copy there is, by (generation, index): {rank: its refs or states}. The survivors'
+        own, then what the live keepers hold (a dead node's keeper holds nothing)."""
+        found: dict[tuple[int, int], dict[int, Any]] = {}
+        for (generation, rank, index), state in self.local.items():
+            found.setdefault((generation, index), {})[rank] = state
+        asked = {node: k.held.remote() for node, k in self._keepers.items()}
+        deadline = time.monotonic() + KEEPER_WAIT_S
+        for node, ref in asked.items():
+            try:
+                keys = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - its node is gone, or it does not answer
+                self._keepers.pop(node, None)
+                continue
+            keeper = self._keepers[node]
+            for key in keys:
+                generation, rank, index = key
+                found.setdefault((generation, index), {}).setdefault(rank, (keeper, key))
+        return found
+
+    @staticmethod
+    def read(held: Any) -> Any:
+        """A copy's state, from a survivor (the state itself) or a keeper (``(keeper, key)``)."""
+        if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], tuple):
+            keeper, key = held
+            return ray.get(ray.get(keeper.take.remote([key]))[0][0])
+        return held
+
+    def shutdown(self) -> None:
+        """Stop the keepers (the model ends)."""
+        for keeper in self._keepers.values():
+            try:
+                ray.kill(keeper, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+        self._keepers = {}
+        self.local = {}
