@@ -6,6 +6,7 @@ lost nodes are in tests/test_clusters.py."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import numpy as np
@@ -143,3 +144,96 @@ def test_before_the_first_copy_a_restart_replays_from_the_builders_state():
         event, params = _kill_and_go_on(dm, data, ref, kill_after=3, rank=0, in_flight=1)
     assert event["source"] in ("peer_memory", "start") and event["replayed"] == 3, event
     assert_params_equal(params, ref.params())
+
+
+# -- lost nodes: real raylets (ray.cluster_utils.Cluster), a driver of its own ---------------
+
+# A 1-CPU head the driver runs on, and NODES worker nodes of one rank each: ranks of mp2 are on
+# two nodes, and a removed node takes its rank (and the copies its keeper held) away.
+ONE_RANK_NODES = """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [cluster.add_node(num_cpus=1, resources={"rank": 1}) for _ in range(NODES)]
+    ray.init(address=cluster.address, log_to_driver=False)
+"""
+
+LOSE_NODES = """
+    import logging, sys, tempfile, threading
+    import paddle, paddle.distributed as dist
+    import raydist
+    from raydist import checkpoint
+    from models import Rows, adamw, assert_fit_like_one_process, build
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, force=True)  # raydist's account of the restart
+    GUARD
+    try:
+        rows = Rows(64)  # 8 steps an epoch
+        loader = raydist.shard_dataloader(rows, dist.ProcessMesh([0, 1], dim_names=["mp"]), batch_size=8)
+        dm = raydist.to_static(build("mp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=2, peer_memory=4,
+                               resources_per_rank={"CPU": 1, "rank": 1}, max_in_flight=1, steps_per_message=1)
+        where = {s.rank: s.node_id for s in raydist.status()}
+        assert where[0] != where[1], where
+        paused, go_on = threading.Event(), threading.Event()
+
+        class Pause(paddle.callbacks.Callback):  # the loop waits after step 5 while nodes go
+            def on_train_batch_end(self, step, logs=None):
+                if not paused.is_set() and step == 4:
+                    paused.set()
+                    go_on.wait()
+
+        run = {}
+        fit = threading.Thread(target=lambda: run.update(losses=dm.fit(loader, epochs=2, max_failures=1,
+                                                                        callbacks=[Pause()], progress=False, **DISK)))
+        fit.start()
+        paused.wait()
+        for rank in LOSE:
+            cluster.remove_node(next(n for n in nodes if n.node_id == where[rank]))
+        go_on.set()
+        fit.join()
+        [restart] = [e for e in dm.events() if e["kind"] == "restart"]
+        print("restart", restart)
+        assert_fit_like_one_process(run["losses"], dm.state_dict("param"), rows, 8, 1, 2, adamw())
+        dm.shutdown()
+        print("ended as one process")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+"""
+
+
+@pytest.mark.cluster
+def test_a_lost_node_of_a_tensor_parallel_fit_comes_back_from_peer_memory_with_no_disk():
+    """mp2 on two nodes and a spare one, ``fit`` with no checkpoint_dir and peer_memory=4: the node of
+    rank 1 goes after 5 steps (with it, rank 0's copies; a 6th may be in flight). Rank 0's own copy
+    and rank 1's, on rank 0's node, give the state after 4 steps; the run goes back to it and ends
+    as one process.
+    Nothing is written to or read from disk: raydist's checkpoint functions fail if called."""
+    from clusters import run_driver
+
+    guard = "for name in ('write_pieces', 'read_manifest', 'assemble', 'write_json', 'complete'): " \
+            "setattr(checkpoint, name, lambda *a, **k: sys.exit('a checkpoint was written or read'))"
+    code = ONE_RANK_NODES.replace("NODES", "3") + LOSE_NODES.replace("DISK", "{}").replace("LOSE", "[1]")
+    code = code.replace("GUARD", guard)
+    out = run_driver(code, timeout=280)
+    print(out)
+    assert "ended as one process" in out
+    assert re.search(r"'source': 'peer_memory', 'checkpoint': None, 'replayed': [12]\b", out), out
+
+
+@pytest.mark.cluster
+def test_a_rank_and_the_node_of_its_copy_both_lost_fall_back_to_the_checkpoint_and_say_so(tmp_path):
+    """mp2 on two nodes, two spare ones; rank 0's copies are on rank 1's node and rank 1's on rank
+    0's. Both nodes go after 5 steps: no copy is left, the restart goes back to the checkpoint after
+    step 3 (checkpoint_every=3), says so in the log and in its event, and the run ends as one process."""
+    from clusters import run_driver
+
+    disk = f"dict(checkpoint_dir={str(tmp_path / 'ck')!r}, checkpoint_every=3)"
+    code = ONE_RANK_NODES.replace("NODES", "4") + LOSE_NODES.replace("DISK", disk).replace("LOSE", "[0, 1]")
+    code = code.replace("GUARD", "")
+    out = run_driver(code, timeout=280)
+    print(out)
+    assert "ended as one process" in out
+    assert "peer memory holds no complete copy" in out, out
+    assert re.search(r"'source': 'checkpoint', 'checkpoint': '[^']*step-00000003', 'replayed': [23]\b", out), out

@@ -307,24 +307,29 @@ def test_paddles_reduce_lr_on_plateau_callback_lowers_a_float_learning_rate_on_t
 
 
 @pytest.mark.slow
-def test_steps_replayed_after_a_lost_rank_are_reported_again_with_the_losses_and_rates_of_one_process(tmp_path):
+@pytest.mark.parametrize("source", ["checkpoint", "peer_memory"])
+def test_steps_replayed_after_a_lost_rank_are_reported_again_with_the_losses_and_rates_of_one_process(tmp_path, source):
     """mp2 (no rank holds another's shard, so the run goes back to its last checkpoint), 2 epochs
     of 8 steps, checkpoints every 3; the rank reading row 41 (step 5's) is killed once, as step 4
     runs (prefetch=1: batch 5 is read as step 4 takes batch 4). The callbacks are told of steps
     0 to f-1, then, from the checkpoint of step 3, of steps 3 to 15: steps 3 to f-1 again, with
     the same losses and learning rates. Every report, the history and the parameters are those
-    of one process."""
+    of one process. With peer memory every 3 steps (and no checkpoint directory) the same: the
+    copy after step 3 is the newest every shard has."""
     import paddle.distributed as dist
 
     recorder = Recorder()
+    disk = dict(checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck")) if source == "checkpoint" else {}
     data = KillOnce(64, row=41, marker=str(tmp_path / "killed"))
     loader = raydist.shard_dataloader(data, dist.ProcessMesh([0, 1], dim_names=["mp"]), batch_size=8, prefetch=1)
     with raydist.to_static(build("mp"), loader, paddle.nn.MSELoss(), scheduled_sgd("step"), num_workers=2,
-                           max_in_flight=1, steps_per_message=1) as dm:  # fmt: skip
-        history = dm.fit(loader, epochs=2, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"), max_failures=1,
-                         progress=False, callbacks=[recorder])  # fmt: skip
+                           max_in_flight=1, steps_per_message=1,
+                           peer_memory=3 if source == "peer_memory" else None) as dm:  # fmt: skip
+        history = dm.fit(loader, epochs=2, max_failures=1, progress=False, callbacks=[recorder], **disk)
         params = dm.state_dict("param")
+        [restart] = [e for e in dm.events() if e["kind"] == "restart"]
     assert (tmp_path / "killed").exists()  # a rank did die
+    assert restart["source"] == source and restart["replayed"] >= 1, restart
     expected, ref = reference_run(scheduled_sgd("step"), epochs=2, n=64)
     assert_close(history, expected)
     assert_params_equal(params, ref.params())

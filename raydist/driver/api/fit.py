@@ -134,7 +134,7 @@ def fit(
     if sink is not None:  # the run's events survive the driver; a resumed run goes on with the same file
         training.events.add_sink(sink)
     try:
-        if found is None and max_failures:
+        if found is None and max_failures and checkpoint_dir:
             run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
         return _fit(run, training, found, total, progress, max_failures, checkpoint_dir)
     finally:
