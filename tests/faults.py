@@ -181,3 +181,33 @@ def slow_steps_on_rank_1():
 
     setup_then_slow.__dict__.update(setup.__dict__)
     RankActor.setup = setup_then_slow
+
+
+def flip_a_bit_on_rank_2_after_step_5():
+    """On rank 2, after its 5th train step, one bit of its first parameter (by variable name) flips in
+    place, as silent data corruption would flip it; the parameter's name goes to $RAYDIST_TEST_FLAG.
+    (A message's steps run together: a message holding step 5 flips after its last step.)"""
+    from raydist.protocol import RankActor
+
+    run = RankActor.run
+
+    def run_then_flip(self, parcel):
+        results = run(self, parcel)
+        model = self.model
+        if self.rank == 2 and model.trained >= 5 and not os.path.exists(os.environ["RAYDIST_TEST_FLAG"]):
+            import numpy as np
+            import paddle
+
+            engine = model.runner.model._engine
+            program = engine._pir_dist_main_progs[engine._mode]
+            tensors = program.state_dict("param", paddle.static.global_scope())
+            var = sorted(tensors)[0]
+            array = np.array(tensors[var])
+            array.reshape(-1).view(np.uint32)[0] ^= 1 << 12  # a low bit of the mantissa: a small change
+            tensors[var].set(array, paddle.CPUPlace())
+            with open(os.environ["RAYDIST_TEST_FLAG"], "w") as f:
+                f.write(var)
+        return results
+
+    run_then_flip.__dict__.update(run.__dict__)  # its concurrency group
+    RankActor.run = run_then_flip

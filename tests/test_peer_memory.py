@@ -237,3 +237,89 @@ def test_a_rank_and_the_node_of_its_copy_both_lost_fall_back_to_the_checkpoint_a
     assert "ended as one process" in out
     assert "peer memory holds no complete copy" in out, out
     assert re.search(r"'source': 'checkpoint', 'checkpoint': '[^']*step-00000003', 'replayed': [23]\b", out), out
+
+
+# -- the replica check ---------------------------------------------------------------------
+
+
+def test_replicas_that_disagree_are_named_by_the_majority_or_all_of_them_without_one():
+    from raydist.driver.lifecycle.replicas import compare
+
+    agree = {r: {"w": ((r % 2,), 100 + r % 2), "b": ((), 7)} for r in range(4)}  # two pieces, two replicas each
+    assert compare(agree, 6) is None
+    two = {**agree, 2: {"w": ((0,), 999), "b": ((), 7)}}
+    found = compare(two, 6)
+    assert (found.ranks, found.names, found.step, found.rank) == ([0, 2], ["w"], 6, 0)
+    three = {r: {"w": ((), 5)} for r in range(3)} | {1: {"w": ((), 6)}}
+    assert compare(three, 2).ranks == [1]  # the majority says who differs
+    assert compare({0: {"w": ((), 5)}, 1: None}, 2) is None  # a rank that no longer kept the codes
+    assert isinstance(found, raydist.RankError)
+
+
+def _flip(tmp_path) -> dict:
+    import faults
+
+    env = faults.hook("flip_a_bit_on_rank_2_after_step_5")
+    env["env_vars"]["RAYDIST_TEST_FLAG"] = str(tmp_path / "flipped")
+    return env
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_one_replica_is_caught_at_the_next_check_and_restart_goes_back_before_it(tmp_path):
+    """dp2 x mp2, AdamW, check_replicas=2 and peer_memory=2; a bit of a parameter flips on rank 2
+    after step 5. The check after step 6 finds ranks 0 and 2 (its two replicas: no majority)
+    disagree on that one parameter, at a later call; restart() goes back to the copy after step 4
+    (the last check that passed), replays, and the run ends as one process."""
+    data, ref = batches(12, seed=9), Reference(adamw())
+    with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=4,
+                           peer_memory=2, check_replicas=2, runtime_env=_flip(tmp_path)) as dm:  # fmt: skip
+        names = set(dm.state_dict("param"))
+        caught, i = None, 0
+        while i < len(data):
+            try:
+                loss = float(dm(*data[i]))
+            except raydist.ReplicaMismatchError as e:
+                caught = caught or e
+                dm.restart()
+                continue  # step i again
+            if i < 5:
+                assert_close(loss, ref.train(*data[i]))
+            i += 1
+        for x, y in data[5:]:
+            ref.train(x, y)
+        assert (tmp_path / "flipped").exists()
+        assert caught is not None and caught.step == 6 and caught.ranks == [0, 2], caught
+        assert len(caught.names) == 1 and caught.names[0] in names, caught.names
+        kinds = [(e["kind"], e.get("source")) for e in dm.events() if e["kind"] in ("replica_mismatch", "restart")]
+        assert kinds == [("replica_mismatch", None), ("restart", "peer_memory")], kinds
+        assert_params_equal(dm.state_dict("param"), ref.params())
+
+
+@pytest.mark.slow
+def test_fit_recovers_from_a_flipped_bit_and_ends_as_one_process(tmp_path):
+    """The same corruption in fit(max_failures=1), no checkpoint_dir: the mismatch is recovered
+    like a lost rank, from peer memory before it, and the history is one process's."""
+    from models import Rows, assert_fit_like_one_process
+
+    rows = Rows(64)
+    mesh = paddle.distributed.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    loader = raydist.shard_dataloader(rows, mesh, shard_dims="dp", batch_size=8)
+    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=4, peer_memory=2,
+                           check_replicas=2, runtime_env=_flip(tmp_path)) as dm:  # fmt: skip
+        losses = dm.fit(loader, epochs=2, max_failures=1, progress=False)
+        params = dm.state_dict("param")
+        [mismatch] = [e for e in dm.events() if e["kind"] == "replica_mismatch"]
+    assert (tmp_path / "flipped").exists() and 2 in mismatch["ranks"] and len(mismatch["names"]) == 1, mismatch
+    assert_fit_like_one_process(losses, params, rows, 8, 2, 2, adamw())
+
+
+def test_a_mismatch_is_only_logged_with_replica_mismatch_warn(tmp_path, caplog):
+    data = batches(10, seed=9)
+    with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=4,
+                           check_replicas=2, replica_mismatch="warn", runtime_env=_flip(tmp_path)) as dm:  # fmt: skip
+        with caplog.at_level("WARNING", logger="raydist"):
+            for x, y in data:
+                float(dm(x, y))
+            dm.wait()
+    assert (tmp_path / "flipped").exists()
+    assert any("differ on ranks [0, 2] after 6 train steps" in r.message for r in caplog.records), caplog.text

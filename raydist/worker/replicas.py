@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-KEEP = 4  # the newest checks a rank keeps for the driver to read
+KEEP = 256  # the newest checks a rank keeps for the driver to read (more than can run ahead of it)
 
 
 class ReplicaHashes:

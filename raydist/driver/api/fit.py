@@ -67,6 +67,10 @@ class Training(Protocol):
         the steps since replayed; the loop feeds that many again), or None (a checkpoint's or the
         initial state: the loop goes back to it)."""
 
+    def verify(self, wait: bool = False) -> None:
+        """Compare the replica checks that came back (``wait``: all of the steps sent); raise a
+        `raydist.ReplicaMismatchError` if replicas disagree."""
+
     def at_boundary(self, look: bool = False, before: Callable[[], Any] | None = None) -> str | None:
         """Between two train steps: act on a preemption notice, else grow if there is room
         (``before`` runs first). What was done: "moved", "noticed", "grew", or None."""
@@ -306,6 +310,7 @@ class _Run:
                 self.checkpoint(epoch, step, background=False)  # complete before the node, and its shards, go
 
     def _end_epoch(self, epoch: int) -> None:
+        self.training.verify(wait=True)  # the replica checks of the epoch's last steps, before its end is told
         if self.eval_loader is not None and self.eval_every is None:
             self.evaluate()
         if self.by_epoch and self.dm.lr_scheduler is not None:

@@ -301,8 +301,10 @@ class DistModel:
         return step.result() if mode == "predict" else Loss(step)
 
     def wait(self) -> None:
-        """Complete every step in flight; raises the first failure."""
+        """Complete every step in flight; raises the first failure (with ``check_replicas``, a
+        mismatch of the checks of those steps too)."""
         self._client.drain()
+        self._life.verify(wait=True)
 
     def evaluate(self, data: Any, steps: int | None = None, callbacks: Any = None) -> dict[str, float]:
         """Loss and metrics over every row of ``data``, as Paddle's ``Engine.evaluate``.

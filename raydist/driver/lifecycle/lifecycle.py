@@ -172,12 +172,15 @@ class Lifecycle:
         if self.replicas is not None:
             self.replicas.started(group.actors, base)
 
-    def verify(self) -> None:
-        """Before a train step: compare the replica checks that came back; a `ReplicaMismatchError`
-        if replicas disagree (then the group is torn down, as after a failure)."""
-        if self.replicas is None:
+    def verify(self, wait: bool = False) -> None:
+        """Before a train step: compare the replica checks that came back (``wait``: once every step
+        sent completed, all of them); a `ReplicaMismatchError` if replicas disagree (then the group
+        is torn down, as after a failure)."""
+        if self.replicas is None or self.client is None or not self.client.alive:
             return
-        self.replicas.poll(self.recovery.completed(self.client.window.completed))
+        if wait:
+            self.client.drain()
+        self.replicas.poll(self.recovery.completed(self.client.window.completed), wait)
         try:
             self.replicas.raise_found()
         except ReplicaMismatchError as e:

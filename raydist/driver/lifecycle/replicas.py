@@ -41,15 +41,16 @@ class ReplicaCheck:
         self._asked: collections.deque[tuple[int, list]] = collections.deque()
         self.clean = max(self.clean, base) if self.mismatch is None else self.clean
 
-    def poll(self, completed: int) -> None:
+    def poll(self, completed: int, wait: bool = False) -> None:
         """Ask for the checks of steps that completed (``completed``: the model's train steps done),
-        compare those answered; a mismatch is kept for `raise_found`."""
+        compare those answered (``wait``: every one asked); a mismatch is kept for `raise_found`."""
         if self._actors is None:
             return
         while self._next <= completed:
             self._asked.append((self._next, call_on(self._actors, RankActor.replica_codes, self._next)))
             self._next += self.every
-        while self._asked and not ray.wait(self._asked[0][1], num_returns=len(self._asked[0][1]), timeout=0)[1]:
+        timeout = None if wait else 0
+        while self._asked and not ray.wait(self._asked[0][1], num_returns=len(self._asked[0][1]), timeout=timeout)[1]:
             index, refs = self._asked.popleft()
             try:
                 codes = dict(enumerate(ray.get(refs)))
