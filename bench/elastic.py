@@ -57,7 +57,7 @@ def _run(name: str, steps: int, elastic: bool, chaos: bool, survivors: bool = Tr
     from bench import models
     from bench.common import RANK_ENV
 
-    from raydist.driver.lifecycle.lifecycle.lifecycle import Lifecycle
+    from raydist.driver.lifecycle.lifecycle import Lifecycle
 
     salvage = Lifecycle._salvage
     if not survivors:

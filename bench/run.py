@@ -9,6 +9,8 @@
     python -m bench startup [--repeat 2] [--models mlp-mp2]
     python -m bench resume [--models gpt-mp2] [--steps 24] [--every 4] [--kill-after 10] [--repeat 3]
     python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
+    python -m bench peers [--models gpt-mp2,gpt-pp2] [--steps 40] [--every 1,10,100] [--check 10] [--rounds 3]
+    python -m bench recovery [--models gpt-mp2,gpt-pp2] [--steps 30] [--every 10] [--kill-after 15] [--rounds 2]
     python -m bench attach [--models gpt-mp2] [--steps 12] [--before 6] [--repeat 3]
     python -m bench small [--models mlp-mp2,wide-mp2] [--steps 300] [--repeat 3] [--compiled]
     python -m bench paired [--models mlp-mp2,wide-mp2] [--rounds 10] [--seconds 1] [--record-off]
@@ -37,7 +39,9 @@ where a model's start goes (bench/startup.py); ``paired``, small steps with nati
 alive side by side taking turns in short chunks, ratios within one spell of the machine
 (bench/paired.py); ``restart``, a killed rank's cost until the next
 step, with and without spare ranks (bench/restart.py); ``resume``, a job killed and run
-again, and ``attach``, a detached model attached by a new driver (bench/outlive.py); ``saves``, a checkpoint's stall of the loop (bench/saves.py). Tables are
+again, and ``attach``, a detached model attached by a new driver (bench/outlive.py); ``saves``, a checkpoint's stall
+of the loop (bench/saves.py); ``peers``, peer memory's and the replica check's cost per step, and ``recovery``, a
+lost node's cost with peer memory next to a checkpoint (bench/peers.py). Tables are
 printed; with ``--write`` each is also kept in ``bench/results/<command line>.md`` with its date,
 machine, versions and the code's commit, replacing the last table of the same command line.
 BENCHMARKS.md quotes its figures from there.
@@ -59,7 +63,7 @@ from bench.common import DISPATCH, RATE_NOTE, ROOT, machine
 from bench.compare import RUNNERS, models_table
 
 COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "attach", "saves", "small",
-            "paired", "profile", "timeline")
+            "paired", "profile", "timeline", "peers", "recovery")
 
 
 def _names(known: list[str]) -> Callable[[str], str]:
@@ -143,6 +147,18 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--steps", type=int, default=12, help="steps per run")
     sub.add_argument("--before", type=int, default=6, help="steps the detached model's first driver runs")
     sub.add_argument("--repeat", type=int, default=3, help="runs of each kind, round-robin (medians)")
+    sub = command("peers", "peer memory's and the replica check's cost per step, on 2 nodes (bench/peers.py)")
+    sub.add_argument("--models", default="gpt-mp2,gpt-pp2", help="comma-separated")
+    sub.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    sub.add_argument("--every", default="1,10,100", help="peer_memory values, comma-separated")
+    sub.add_argument("--check", type=int, default=10, help="check_replicas")
+    sub.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    sub = command("recovery", "a lost node with peer memory next to a checkpoint, on 3 nodes (bench/peers.py)")
+    sub.add_argument("--models", default="gpt-mp2,gpt-pp2", help="comma-separated")
+    sub.add_argument("--steps", type=int, default=30, help="steps per run (one epoch)")
+    sub.add_argument("--every", type=int, default=10, help="peer_memory, and checkpoint_every")
+    sub.add_argument("--kill-after", type=int, default=15, help="steps done when the node goes")
+    sub.add_argument("--rounds", type=int, default=2, help="runs of each, interleaved (medians)")
     sub = command("saves", "a checkpoint's stall of the loop, synchronous and in the background (bench/saves.py)")
     sub.add_argument("--models", default="gpt-mp2", help="comma-separated")
     sub.add_argument("--steps", type=int, default=40, help="steps per run")
@@ -209,6 +225,16 @@ def main(argv=None) -> None:
         from bench.outlive import attach_table
 
         table = attach_table(args.models.split(","), args.steps, args.before, args.repeat)
+        _write(args, argv, table)
+        return
+    if args.what in ("peers", "recovery"):  # clusters of their own
+        from bench.peers import cost_table, recovery_table
+
+        if args.what == "peers":
+            table = cost_table(args.models.split(","), args.steps, [int(k) for k in args.every.split(",")],
+                               args.check, args.rounds)  # fmt: skip
+        else:
+            table = recovery_table(args.models.split(","), args.steps, args.every, args.kill_after, args.rounds)
         _write(args, argv, table)
         return
     if args.what == "elastic":  # clusters of its own
@@ -301,6 +327,9 @@ def _write(args, argv, table: str) -> None:
              if args.what in ("elastic", "resume", "saves", "attach")
              else "models started one after another" if args.what == "startup"
              else "kill to next step, medians" if args.what == "restart"
+             else f"{args.steps} timed steps per run, {args.rounds} interleaved rounds, medians" if args.what == "peers"
+             else f"{args.steps} steps per run, {args.rounds} run(s) of each, interleaved, medians"
+             if args.what == "recovery"
              else f"{args.rounds} rounds of chunks of about {args.seconds:g} s, medians"
              if args.what == "paired"
              else f"{args.steps} timed steps after {args.warmup} warm-up steps"

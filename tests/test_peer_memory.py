@@ -51,7 +51,7 @@ def test_the_driver_keeps_the_train_steps_since_a_copy_and_their_rates():
     assert recovery.since(11, 17) is None  # index 11 is no longer kept (6 at most)
 
 
-def test_a_keeper_owns_its_copies_and_keeps_the_complete_one_and_the_newest():
+def test_a_keeper_keeps_the_complete_copy_and_the_newest():
     keeper = ray.remote(Keeper).remote()
 
     def copy(generation, rank, index, keep_from, value):
@@ -67,8 +67,8 @@ def test_a_keeper_owns_its_copies_and_keeps_the_complete_one_and_the_newest():
     assert len(ray.get(keeper.held.remote())) == 4
     copy(2, 0, 6, 4, 6.0)  # ... its second does: generation 1 is older than a complete copy
     assert ray.get(keeper.held.remote()) == [(2, 0, 4), (2, 0, 6)]
-    [[ref]] = ray.get(keeper.take.remote([(2, 0, 6)]))
-    assert ray.get(ref)["w"].tolist() == [6.0] * 3
+    [state] = ray.get(keeper.take.remote([(2, 0, 6)]))
+    assert state["w"].tolist() == [6.0] * 3
     ray.kill(keeper)
 
 

@@ -1,12 +1,12 @@
 """A rank's peer memory: every K train steps a copy of its state, kept by a keeper on another node.
 
 After train step ``index`` (counted over the model's life, ``index % every == 0``)
-the rank copies its shards (`StaticRunner.state_dict`, host memory), puts the copy
-in its node's object store, and a thread of its own hands the reference to its
-keeper (`raydist.driver.lifecycle.peers.Keeper`), which copies it into an object of
-its own on its node: the step goes on meanwhile. The rank keeps its own reference
-too, so a survivor of a node's loss still has its copy when its keeper went with
-the node.
+the rank copies its shards to host memory (`StaticRunner.state_dict`: the one part
+on the step's path, as for a checkpoint saved in the background); a thread of its
+own puts the copy in its node's object store and hands it to its keeper
+(`raydist.driver.lifecycle.peers.Keeper`), which copies it into an object of its own
+on its node, while the steps go on. The rank keeps its copy too, so a survivor of
+a node's loss still has it when its keeper went with the node.
 
 Which copy is complete everywhere: a rank waits for its copy of ``s`` to be kept
 before it starts step ``s + every - 1`` (before that step's collectives); so once
@@ -32,7 +32,7 @@ class Mirror:
     def __init__(self, rank: int, plan: MirrorPlan, trained: int):
         self.rank, self.plan = rank, plan
         self._offset = plan.base - trained  # the rank's train steps (since its build) -> the model's index
-        self.local: dict[int, ray.ObjectRef] = {}  # index -> this rank's own reference of its copy
+        self.local: dict[int, Any] = {}  # index -> this rank's own copy
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydist-mirror")
 
@@ -57,21 +57,21 @@ class Mirror:
         """A copy of ``state()`` (the state after ``index`` train steps), handed to the keeper."""
         if self._pending is not None:  # every == 1: the copy before is kept before this one starts
             self._pending[1].result()
-        ref = ray.put(state())
+        copy = state()
         # this group's copy before is complete everywhere (every rank ran past its wait); the
         # group's first copy lets nothing go: an earlier group's may be the only complete one
         keep_from = max(self.local) if self.local else None
-        self.local = {i: r for i, r in self.local.items() if keep_from is not None and i >= keep_from}
-        self.local[index] = ref
-        self._pending = (index, self._thread.submit(self._hand_over, index, ref, keep_from))
+        self.local = {i: c for i, c in self.local.items() if keep_from is not None and i >= keep_from}
+        self.local[index] = copy
+        self._pending = (index, self._thread.submit(self._hand_over, index, copy, keep_from))
 
-    def _hand_over(self, index: int, ref: ray.ObjectRef, keep_from: int | None) -> None:
+    def _hand_over(self, index: int, copy: Any, keep_from: int | None) -> None:
         plan = self.plan
-        ray.get(plan.keeper.keep.remote(plan.generation, self.rank, index, keep_from, [ref]))
+        ray.get(plan.keeper.keep.remote(plan.generation, self.rank, index, keep_from, [ray.put(copy)]))
 
     def copies(self) -> dict[int, Any]:
         """This rank's own copies, by index (to a driver after a peer died: the keeper may be gone)."""
-        return {i: ray.get(r) for i, r in self.local.items()}
+        return dict(self.local)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -1,9 +1,13 @@
 """Peer memory: every K train steps each rank's state, copied to host memory on another node.
 
 ``to_static(..., peer_memory=K)``. A rank copies its shards after every K-th train
-step and a thread of its own hands the copy to a `Keeper` (`raydist.worker.mirror`);
-the keeper owns it in its node's object store, so the copy outlives the rank that
-made it and its node. A keeper is a small actor (no CPU) pinned to a node; the
+step and a thread of its own puts the copy in the object store and hands it to a
+`Keeper` (`raydist.worker.mirror`). The keeper reads it onto its node's object store
+and holds it there: what it read stays readable after the rank that made (and owns)
+it died, even under the store's memory pressure (measured with Ray 2.60: a read
+object stays pinned while a process maps it; `tests/test_peer_memory.py`'s lost
+nodes recover from such copies, and fail if Ray changes that). Holding it costs
+no copy of the keeper's own. A keeper is a small actor (no CPU) pinned to a node; the
 copies of the ranks on one node go to the keeper of the next node that runs ranks
 of the model (in node order), or, when the ranks run on one node, of any other
 node there is. A rank keeps its own reference too: after a node's loss the
@@ -37,16 +41,16 @@ KEEPER_WAIT_S = 10.0  # how long a restart waits for the keepers to say what the
 
 
 class Keeper:
-    """Holds the ranks' copies on its node, each an object of its own (it owns them): by (group
-    generation, rank, train-step index)."""
+    """Holds the ranks' copies in its node's object store (read there, held by this process): by
+    (group generation, rank, train-step index)."""
 
     def __init__(self) -> None:
-        self._held: dict[tuple[int, int, int], ray.ObjectRef] = {}
+        self._held: dict[tuple[int, int, int], Any] = {}
 
     def keep(self, generation: int, rank: int, index: int, keep_from: int | None, ref: list) -> None:
-        """Keep a copy of ``ref[0]`` (the rank's own object: in a list, so it arrives unread);
+        """Keep the copy ``ref[0]`` (the rank's object: in a list, so it arrives unread);
         ``keep_from``: this generation's index that every rank holds, older ones go."""
-        self._held[(generation, rank, index)] = ray.put(ray.get(ref[0]))
+        self._held[(generation, rank, index)] = ray.get(ref[0])  # numpy arrays: views of the store
         if keep_from is not None:
             for key in [k for k in self._held if k[0] < generation or (k[0] == generation and k[1] == rank
                                                                         and k[2] < keep_from)]:  # fmt: skip
@@ -60,9 +64,9 @@ class Keeper:
         """(generation, rank, index) of every copy held."""
         return sorted(self._held)
 
-    def take(self, keys: list[tuple[int, int, int]]) -> list[list[ray.ObjectRef]]:
-        """The copies of ``keys`` (each in a list: the keeper stays their owner)."""
-        return [[self._held[tuple(k)]] for k in keys]
+    def take(self, keys: list[tuple[int, int, int]]) -> list[Any]:
+        """The copies of ``keys``."""
+        return [self._held[tuple(k)] for k in keys]
 
 
 def keeper_nodes(rank_nodes: Sequence[str], alive: Sequence[str]) -> list[str]:
@@ -153,7 +157,7 @@ class PeerMemory:
         """A copy's state, from a survivor (the state itself) or a keeper (``(keeper, key)``)."""
         if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], tuple):
             keeper, key = held
-            return ray.get(ray.get(keeper.take.remote([key]))[0][0])
+            return ray.get(keeper.take.remote([key]))[0]
         return held
 
     def shutdown(self) -> None:
