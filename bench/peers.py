@@ -8,17 +8,18 @@ worker nodes with one "rank" each, so the two ranks run on two nodes and a copy 
 from one to the other (the third is room for a replacement).
 
 - *cost*: one model, driver batches; each round runs ``--steps`` steps with peer memory
-  off, then at each K of ``--every``, then with the replica check every ``--check`` steps
-  and no peer memory (switched on the live model between runs, so every run has the
-  same ranks), rounds interleaved; the time per step and its ratio to "off" in the same
-  round, medians over rounds.
+  off, then at each K of ``--every`` (a whole number of K-step intervals, at least one),
+  then with the replica check every ``--check`` steps and no peer memory (switched on the
+  live model between runs, so every run has the same ranks), rounds interleaved; the
+  time per step and its ratio to "off" in the same round, medians over rounds.
 - *recovery*: ``fit`` over a loader, and the node of the last rank removed after
   ``--kill-after`` steps (the loop waits there while it goes): with
   ``peer_memory=--recovery-every`` and no checkpoint directory, then with a checkpoint
   every ``--recovery-every`` steps written in the background (raydist's default) and no
   peer memory. The time from the removal to the first step past those done before it
-  (detection, a new group, the state, the steps computed again), the steps computed twice,
-  and whether the losses and parameters equal a run that lost nothing.
+  (detection, a new group, the state, the steps computed again); of it, the restart's
+  time and its state's part (the restart event's ``seconds`` and ``state_s``); the steps
+  computed twice; and whether the losses equal a run that lost nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def _configure(dm, every: int | None, check: int | None) -> None:
     life = testing.lifecycle(dm)
     life.config = dataclasses.replace(life.config, peer_memory=every, check_replicas=check)
     life.peer_memory = every
+    if life.peers is not None:
+        life.peers.every = every
     life.replicas = ReplicaCheck(check, warn=False) if check else None
     base = life.recovery.base + life.recovery.trained
     if every or check:
@@ -84,7 +87,7 @@ def cost_table(names: list[str], steps: int, everys: list[int], check: int, roun
     cluster, _ = _cluster()
     try:
         for name in names:
-            batches = models.data(name, steps)
+            batches = models.data(name, max([steps, *everys]))
             configs = {"off": (None, None), **{f"peer_memory={k}": (k, None) for k in everys},
                        f"check_replicas={check}": (None, check)}  # fmt: skip
             dm = raydist_model(name, resources_per_rank={"CPU": 1, "rank": 1}, steps_per_message=1)
@@ -97,7 +100,9 @@ def cost_table(names: list[str], steps: int, everys: list[int], check: int, roun
                     for config, (every, chk) in configs.items():
                         _configure(dm, every, chk)
                         _timed(dm, batches[:5])  # the first copy and its keeper out of the timed steps
-                        round_[config] = _timed(dm, batches)
+                        # a whole number of copy intervals: the copies' share of the steps, no more, no less
+                        n = steps if every is None else max(steps // every, 1) * every
+                        round_[config] = _timed(dm, batches[:n])
                     for config, t in round_.items():
                         per[config].append(t)
                         ratios[config].append(t / round_["off"])
@@ -160,7 +165,8 @@ def _recovery_run(name: str, steps: int, every: int, kill_after: int, peer: bool
         params = dm.state_dict("param")
         dm.shutdown()
         return {"recovery": times["next"] - times["kill"], "replayed": restart["replayed"],
-                "source": restart["source"], "losses": run["losses"], "params": params}
+                "source": restart["source"], "restart": restart["seconds"], "state": restart["state_s"],
+                "losses": run["losses"], "params": params}
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -182,8 +188,11 @@ def recovery_table(names: list[str], steps: int, every: int, kill_after: int, ro
             same = all(np.allclose(r["losses"], expected, rtol=1e-5, atol=1e-6) for r in done)
             t = statistics.median(r["recovery"] for r in done)
             rows.append(f"| {name} | {label} | {done[0]['source']} | {t:.1f} | {base / t:.2f}x "
+                        f"| {statistics.median(r['restart'] for r in done):.1f} "
+                        f"| {statistics.median(r['state'] for r in done) * 1e3:.0f} "
                         f"| {statistics.median(r['replayed'] for r in done):.0f} | {'yes' if same else 'NO'} |")
             print(rows[-1], flush=True)
     header = ("| model | recovery from | restart's source | node removed to the next new step (s) | faster than "
-              "the checkpoint | steps computed twice | losses of one process |")
-    return "\n".join([header, "|---|---|---|---:|---:|---:|---|", *rows])
+              "the checkpoint | restart() (s) | of it, the state found and put in (ms) | steps computed twice "
+              "| losses of one process |")
+    return "\n".join([header, "|---|---|---|---:|---:|---:|---:|---:|---|", *rows])

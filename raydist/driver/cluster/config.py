@@ -90,9 +90,13 @@ def _remote(actor_class: type[Member]):
 RANK_NAME = re.compile(r"^(?P<group>.+)-(rank|spare)-(?P<rank>\d+)$")
 
 
+# a peer-memory keeper's "<group>-keeper-<node id's first 12>" (`raydist.driver.lifecycle.peers`)
+KEEPER_NAME = re.compile(r"^(?P<group>.+)-keeper-(?P<node>[0-9a-f]+)$")
+
+
 def is_member_of(actor_name: str, group: str) -> bool:
-    """Whether ``actor_name`` names a rank or spare of ``group``."""
-    match = RANK_NAME.match(actor_name)
+    """Whether ``actor_name`` names a rank, spare or keeper of ``group``."""
+    match = RANK_NAME.match(actor_name) or KEEPER_NAME.match(actor_name)
     return match is not None and match["group"] == group
 
 

@@ -359,8 +359,8 @@ def stop(name: str, force: bool = False) -> None:
 
 
 def kill_named(group: str, namespace: str | None, actors: list = ()) -> int:
-    """Kill ``actors`` and every actor named as a rank or spare of ``group`` (in ``namespace``; None:
-    any); how many."""
+    """Kill ``actors`` and every actor named as a rank, spare or peer-memory keeper of ``group`` (in
+    ``namespace``; None: any); how many."""
     actors = list(actors)
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if is_member_of(entry["name"], group) and namespace in (None, entry["namespace"]):

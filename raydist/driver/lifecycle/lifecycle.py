@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -304,19 +305,21 @@ class Lifecycle:
         first_step, done = self.client.window.submitted, self.client.window.completed
         completed = self.recovery.completed(done)
         resume_rate = self.recovery.resume_rate(done, self.rates.position())
-        copy, newest = None, completed
+        copy, newest, began = None, completed, time.monotonic()
         if self._mismatched:  # the copies after the last check that passed may hold the corruption
             salvaged, newest, self._mismatched = None, min(completed, self.replicas.clean), False
         if salvaged is None and self.peers is not None:
             copy = self._newest_copy(completed, newest)
+        state_s = time.monotonic() - began  # the state's time: finding it, and putting it in the new group
         freed = self.client.group.live_bundles()
         self.close()
         path = self.state.last_checkpoint
         behind: int | None = 0
+        replay_s = 0.0
         if salvaged is not None:
             state, rate, trained = salvaged
             self.start(first_step, freed=freed, base=self.recovery.base + trained, mirror=False)
-            self._put_back(state, rate)
+            state_s += _timed(self._put_back, state, rate)
             self._mirror(self.recovery.base, forget=False)
             log.warning("raydist: went on from the state the surviving ranks held after %d train steps "
                         "(no checkpoint read)", trained)  # fmt: skip
@@ -325,9 +328,11 @@ class Lifecycle:
             index, state, steps = copy
             self.start(first_step, freed=freed, base=index, mirror=False)
             if state is not None:
-                self._put_back(state, None)
+                state_s += _timed(self._put_back, state, None)
             self._mirror(index, forget=False)
+            replay_began = time.monotonic()
             replayed = self._replay(steps, resume_rate)
+            replay_s = time.monotonic() - replay_began
             behind = len(steps) - replayed
             log.warning("raydist: went on from peer memory's copy after %d train steps (no checkpoint read); "
                         "replayed %d train steps%s", index, replayed,
@@ -339,14 +344,16 @@ class Lifecycle:
                             "died): %s", f"back to the checkpoint {path}" if path else "starting over")
             self.start(first_step, freed=freed, mirror=False)
             if path is not None:
-                self.state.load(path, self.modes.built("train"))
+                state_s += _timed(self.state.load, path, self.modes.built("train"))
                 source, replayed = "checkpoint", done - checkpoint.read_manifest(path).get("step", 0)
             else:
                 source, replayed = "start", done
             self._mirror(0)
             behind = None
         self.events.emit("restart", first_step, size=self.client.size, source=source,
-                         checkpoint=path if source == "checkpoint" else None, replayed=max(0, replayed))  # fmt: skip
+                         checkpoint=path if source == "checkpoint" else None, replayed=max(0, replayed),
+                         seconds=round(time.monotonic() - began, 3), state_s=round(state_s, 3),
+                         replay_s=round(replay_s, 3))  # fmt: skip
         return behind
 
     def _newest_copy(self, completed: int, newest: int) -> tuple[int, dict | None, list] | None:
@@ -575,3 +582,10 @@ def _on_a_thread(stop: Callable[[], None]) -> Callable[[], None]:
             stop()
 
     return start
+
+
+def _timed(call: Callable[..., Any], *args: Any) -> float:
+    """The seconds ``call(*args)`` took."""
+    began = time.monotonic()
+    call(*args)
+    return time.monotonic() - began

@@ -113,7 +113,7 @@ class PeerMemory:
         if keeper is None:
             lifetime = {"lifetime": "detached", "namespace": DETACHED_NAMESPACE} if self.detached else {}
             keeper = ray.remote(Keeper).options(
-                name=f"{self.prefix}-keeper-{node[:12]}", get_if_exists=True, num_cpus=0, max_concurrency=1,
+                name=f"{self.prefix}-keeper-{node[:12]}", get_if_exists=True,  # cluster.config.KEEPER_NAME num_cpus=0, max_concurrency=1,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), **lifetime,
             ).remote()  # fmt: skip
             self._keepers[node] = keeper

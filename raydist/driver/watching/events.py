@@ -5,9 +5,14 @@ step sent gets) and ``model`` (its name), and what belongs to its kind:
 
 - ``failure``: ``rank``, ``node`` (its IP), ``during``, ``error`` (the first line);
 - ``restart``: ``size``, ``source`` (where the state came from: "replicas", the
-  surviving ranks' live state; "checkpoint"; "start", the initial parameters),
-  ``checkpoint`` (its path, if one), ``replayed`` (steps the driver had seen done
-  that the state is behind: what a loop runs again, as ``fit`` does);
+  surviving ranks' live state; "peer_memory", the copies in another node's memory;
+  "checkpoint"; "start", the initial parameters), ``checkpoint`` (its path, if one),
+  ``replayed`` (steps the driver had seen done that the state was behind: computed
+  twice, by the restart's replay or the loop, as ``fit`` does), ``seconds`` (the
+  restart's time), ``state_s`` (of it: finding the state and putting it in the new
+  group), ``replay_s`` (of it: the replay);
+- ``replica_mismatch``: ``ranks``, ``names`` (the tensors whose replicas differ), ``after``
+  (the train steps when the codes were taken);
 - ``resize``: ``from``, ``to``, ``why`` ("grow" or "drain");
 - ``drain``: ``nodes``, ``deadline`` (``time.time()`` seconds, or None), ``action``
   ("move": an elastic model moves off; "checkpoint": ``fit`` saves at once);

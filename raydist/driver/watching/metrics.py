@@ -45,10 +45,12 @@ METRICS = {
     "raydist_resizes": ("counter", "Moves to another number of ranks (elastic)"),
     "raydist_preemption_notices": ("counter", "Preemption notices for nodes of the live group"),
     "raydist_checkpoints": ("counter", "Checkpoints saved"),
+    "raydist_replica_mismatches": ("counter", "Replica checks that found replicas disagreeing"),
     "raydist_checkpoint_stall_seconds": ("counter", "Seconds the loop stood still for checkpoints"),
 }
 _COUNTED = {"failure": "raydist_failures", "restart": "raydist_restarts", "resize": "raydist_resizes",
-            "drain": "raydist_preemption_notices", "checkpoint": "raydist_checkpoints"}  # fmt: skip
+            "drain": "raydist_preemption_notices", "checkpoint": "raydist_checkpoints",
+            "replica_mismatch": "raydist_replica_mismatches"}  # fmt: skip
 
 
 class Recorder:
