@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import numpy as np
 import paddle
@@ -15,6 +16,7 @@ import pytest
 import ray
 
 import raydist
+from raydist import testing
 from raydist.driver.lifecycle.peers import Keeper, keeper_nodes
 from raydist.driver.lifecycle.recovery import Recovery
 from helpers import wait_gone
@@ -323,3 +325,44 @@ def test_a_mismatch_is_only_logged_with_replica_mismatch_warn(tmp_path, caplog):
             dm.wait()
     assert (tmp_path / "flipped").exists()
     assert any("differ on ranks [0, 2] after 6 train steps" in r.message for r in caplog.records), caplog.text
+
+
+@pytest.mark.slow
+def test_spare_ranks_come_back_from_peer_memory():
+    """mp2 with spare_ranks=2 and peer_memory=2: rank 0 killed after 5 steps; restart() adopts the
+    spares, takes the copy after 4 steps, replays one, and the run goes on as one process."""
+    data, ref = batches(8, seed=5), Reference(adamw())
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2,
+                           spare_ranks=2, peer_memory=2) as dm:  # fmt: skip
+        float(dm(*data[0]))
+        spares = {pid for _, pid in ray.get([a.place.remote() for a in testing.lifecycle(dm).spares._actors])}
+        ref.train(*data[0])
+        event, params = _kill_and_go_on(dm, data[1:], ref, kill_after=4, rank=0, in_flight=1)
+        assert {r.pid for r in dm.ranks} == spares and testing.group(dm).adopted == [0, 1]
+    assert event["source"] == "peer_memory" and event["replayed"] == 1, event
+    assert_params_equal(params, ref.params())
+
+
+def test_a_detached_model_with_peer_memory_comes_back_from_it_and_its_keepers_end_with_it():
+    """detached=True, mp2, peer_memory=2: its keepers live in the detached namespace; a killed rank
+    comes back from peer memory as one process; shutdown ends the keepers too."""
+    from raydist.driver.cluster.config import DETACHED_NAMESPACE, KEEPER_NAME
+
+    def keepers():
+        return [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if KEEPER_NAME.match(a["name"]) and a["name"].startswith("detached-peers-")]  # fmt: skip
+
+    data, ref = batches(8, seed=7), Reference(adamw())
+    dm = raydist.to_static(build("mp"), None, paddle.nn.MSELoss(), adamw(), num_workers=2, name="detached-peers",
+                           detached=True, peer_memory=2)  # fmt: skip
+    try:
+        event, params = _kill_and_go_on(dm, data, ref, kill_after=5, rank=1, in_flight=1)
+        assert event["source"] == "peer_memory" and event["replayed"] == 1, event
+        assert_params_equal(params, ref.params())
+        assert keepers() and all(a["namespace"] == DETACHED_NAMESPACE for a in keepers()), keepers()
+    finally:
+        dm.shutdown()
+    deadline = time.monotonic() + 20
+    while keepers() and time.monotonic() < deadline:  # a killed actor's name goes once Ray has seen it die
+        time.sleep(0.1)
+    assert not keepers()
