@@ -366,3 +366,22 @@ def test_a_detached_model_with_peer_memory_comes_back_from_it_and_its_keepers_en
     while keepers() and time.monotonic() < deadline:  # a killed actor's name goes once Ray has seen it die
         time.sleep(0.1)
     assert not keepers()
+
+
+@pytest.mark.slow
+def test_after_an_elastic_resize_a_killed_rank_comes_back_from_peer_memory():
+    """An elastic model, (2, 4) ranks of dp x mp2, peer_memory=2: at 4 ranks for 3 steps, moved to
+    2 (the state handed over live; the group's copies start from it), then rank 1 killed after
+    2 more steps: at 2 ranks no replica holds its shard, and peer memory's copy after 4 steps
+    and one step replayed bring it back as one process."""
+    data, ref = batches(9, seed=3), Reference(adamw())
+    with raydist.to_static(build("elastic"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=(2, 4),
+                           peer_memory=2) as dm:  # fmt: skip
+        assert dm.num_workers == 4
+        for x, y in data[:3]:
+            assert_close(float(dm(x, y)), ref.train(x, y))
+        testing.lifecycle(dm).resize(2)
+        assert dm.num_workers == 2
+        event, params = _kill_and_go_on(dm, data[3:], ref, kill_after=2, rank=1, in_flight=1)
+    assert event["source"] == "peer_memory" and event["replayed"] == 1, event
+    assert_params_equal(params, ref.params())
