@@ -48,6 +48,11 @@ class ReplicaMismatchError(RankError):
         super().__init__(self.ranks[0], f"the replicas of {shown} differ on ranks {self.ranks} after "
                          f"{step} train steps", during="the replica check")  # fmt: skip
 
+    @property
+    def parameters(self) -> list[str]:
+        """``names``: the tensors that disagree (parameters, or their optimizer state)."""
+        return self.names
+
     def __reduce__(self):
         return (ReplicaMismatchError, (self.step, self.ranks, self.names))
 

@@ -330,6 +330,7 @@ def test_steps_replayed_after_a_lost_rank_are_reported_again_with_the_losses_and
         [restart] = [e for e in dm.events() if e["kind"] == "restart"]
     assert (tmp_path / "killed").exists()  # a rank did die
     assert restart["source"] == source and restart["replayed"] >= 1, restart
+    assert restart["behind"] == (None if source == "checkpoint" else restart["replayed"]), restart  # fit feeds them
     expected, ref = reference_run(scheduled_sgd("step"), epochs=2, n=64)
     assert_close(history, expected)
     assert_params_equal(params, ref.params())

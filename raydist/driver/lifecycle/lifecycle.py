@@ -352,7 +352,7 @@ class Lifecycle:
             behind = None
         self.events.emit("restart", first_step, size=self.client.size, source=source,
                          checkpoint=path if source == "checkpoint" else None, replayed=max(0, replayed),
-                         seconds=round(time.monotonic() - began, 3), state_s=round(state_s, 3),
+                         behind=behind, seconds=round(time.monotonic() - began, 3), state_s=round(state_s, 3),
                          replay_s=round(replay_s, 3))  # fmt: skip
         return behind
 

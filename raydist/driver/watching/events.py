@@ -8,7 +8,9 @@ step sent gets) and ``model`` (its name), and what belongs to its kind:
   surviving ranks' live state; "peer_memory", the copies in another node's memory;
   "checkpoint"; "start", the initial parameters), ``checkpoint`` (its path, if one),
   ``replayed`` (steps the driver had seen done that the state was behind: computed
-  twice, by the restart's replay or the loop, as ``fit`` does), ``seconds`` (the
+  twice, by the restart's replay or the loop, as ``fit`` does), ``behind`` (of those,
+  the completed steps the loop must feed again: 0 when the state is where the failed
+  group stood, None after a checkpoint or the start, which ``replayed`` counts), ``seconds`` (the
   restart's time), ``state_s`` (of it: finding the state and putting it in the new
   group), ``replay_s`` (of it: the replay);
 - ``replica_mismatch``: ``ranks``, ``names`` (the tensors whose replicas differ), ``after``
