@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import threading
 import time
 
@@ -169,10 +170,12 @@ class ModelService:
             self._idle.set()
         if training:
             self.trained, self.broke_off = self.trained + 1, False
-            if self.hashes is not None:
-                self.hashes.after_step(self.trained, self._state_copy)
-            if self.mirror is not None:
-                self.mirror.after_step(self.trained, self._state_copy)
+            if self.hashes is not None or self.mirror is not None:
+                copy = functools.cache(self._state_copy)  # one copy a step, for the check and the mirror
+                if self.hashes is not None:
+                    self.hashes.after_step(self.trained, copy)
+                if self.mirror is not None:
+                    self.mirror.after_step(self.trained, copy)
         return results
 
     def _state_copy(self) -> dict:
