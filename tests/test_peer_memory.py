@@ -81,13 +81,27 @@ def test_peer_memory_is_refused_when_not_a_positive_int():
                               peer_memory=bad)  # fmt: skip
 
 
-def _kill_and_go_on(dm, data, ref, kill_after: int, rank: int, in_flight: int = 2):
-    """Train on ``data``: after ``kill_after`` steps, kill ``rank`` with ``in_flight`` steps sent,
-    restart, and go on from the first step that failed, as a plain loop would; every loss and the
-    parameters equal to ``ref`` (one process)."""
+def _kept(dm, index: int, timeout: float = 60.0) -> None:
+    """Until the keepers hold every rank's copy after ``index`` train steps (a copy still being
+    handed over when its rank dies is lost with it: the test waits for the event, not a timer)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = testing.lifecycle(dm).peers.copies()
+        if any(i == index and len(ranks) == len(dm.ranks) for (_, i), ranks in held.items()):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no complete copy after {index} steps")
+
+
+def _kill_and_go_on(dm, data, ref, kill_after: int, rank: int, in_flight: int = 2, kept: int | None = None):
+    """Train on ``data``: after ``kill_after`` steps (and, with ``kept``, once that copy is kept),
+    kill ``rank`` with ``in_flight`` steps sent, restart, and go on from the first step that failed,
+    as a plain loop would; every loss and the parameters equal to ``ref`` (one process)."""
     losses = []
     for x, y in data[:kill_after]:
         losses.append(float(dm(x, y)))
+    if kept is not None:
+        _kept(dm, kept)
     pids = [r.pid for r in dm.ranks]
     os.kill(pids[rank], signal.SIGKILL)
     wait_gone([pids[rank]])
@@ -116,7 +130,7 @@ def test_a_killed_tensor_parallel_rank_comes_back_from_peer_memory_and_replays_t
     data, ref = batches(10, seed=4), Reference(adamw())
     with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2,
                            peer_memory=every) as dm:  # fmt: skip
-        event, params = _kill_and_go_on(dm, data, ref, kill_after=7, rank=1)
+        event, params = _kill_and_go_on(dm, data, ref, kill_after=7, rank=1, kept=7 - 7 % every)
     assert event["kind"] == "restart" and event["source"] == "peer_memory", event
     assert event["replayed"] == 7 % every and event["behind"] == 0, event  # the restart replayed them
     assert_params_equal(params, ref.params())
@@ -162,10 +176,10 @@ ONE_RANK_NODES = """
 """
 
 LOSE_NODES = """
-    import logging, sys, tempfile, threading
+    import logging, sys, tempfile, threading, time
     import paddle, paddle.distributed as dist
     import raydist
-    from raydist import checkpoint
+    from raydist import checkpoint, testing
     from models import Rows, adamw, assert_fit_like_one_process, build
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, force=True)  # raydist's account of the restart
@@ -190,6 +204,9 @@ LOSE_NODES = """
                                                                         callbacks=[Pause()], progress=False, **DISK)))
         fit.start()
         paused.wait()
+        peers = testing.lifecycle(dm).peers  # the copy after 4 steps kept everywhere before the loss
+        while not any(i == 4 and len(r) == 2 for (_, i), r in peers.copies().items()):
+            time.sleep(0.05)
         for rank in LOSE:
             cluster.remove_node(next(n for n in nodes if n.node_id == where[rank]))
         go_on.set()

@@ -171,7 +171,7 @@ class Lifecycle:
             plan = MirrorPlan(None, 0, base, check_every=check)
             group.gather([a.mirror.remote(plan) for a in group.actors], "the replica check")
         if self.replicas is not None:
-            self.replicas.started(group.actors, base)
+            self.replicas.started(group.actors, base, renumbered=forget)
 
     def verify(self, wait: bool = False) -> None:
         """Before a train step: compare the replica checks that came back (``wait``: once every step
@@ -181,6 +181,8 @@ class Lifecycle:
             return
         if wait:
             self.client.drain()
+        elif not self.replicas.due(self.recovery.base + self.recovery.trained):
+            return  # the per-step path: no check due, nothing asked
         self.replicas.poll(self.recovery.completed(self.client.window.completed), wait)
         try:
             self.replicas.raise_found()

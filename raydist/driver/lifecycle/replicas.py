@@ -34,12 +34,19 @@ class ReplicaCheck:
         self.mismatch: ReplicaMismatchError | None = None  # found, not yet raised
         self.started(None, 0)
 
-    def started(self, actors: list | None, base: int) -> None:
-        """A new group (its state after ``base`` train steps): no check asked of it yet."""
+    def started(self, actors: list | None, base: int, renumbered: bool = False) -> None:
+        """A new group (its state after ``base`` train steps): no check asked of it yet.
+        ``renumbered``: its steps count anew (a checkpoint's state, another driver's), so the
+        last clean count is its start."""
         self._actors = actors
         self._next = (base // self.every + 1) * self.every  # the next count to check
         self._asked: collections.deque[tuple[int, list]] = collections.deque()
-        self.clean = max(self.clean, base) if self.mismatch is None else self.clean
+        self.clean = base if renumbered else max(self.clean, base)
+
+    def due(self, sent: int) -> bool:
+        """Whether there is anything to ask or compare, ``sent`` train steps being sent so far (a
+        bound of those done: the train calls in between look no further)."""
+        return self.mismatch is not None or bool(self._asked) or (self._actors is not None and self._next <= sent)
 
     def poll(self, completed: int, wait: bool = False) -> None:
         """Ask for the checks of steps that completed (``completed``: the model's train steps done),
