@@ -22,8 +22,8 @@ FOUND_WITHIN_S = STEP_TIMEOUT_S + watch_module.REPORT_GRACE_S + watch_module.LOO
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("steps_per_message", ["auto", 1])
-@pytest.mark.parametrize("dispatch", ["calls", "compiled", "tree"])
+# every dispatch, and both a message of one step and messages grown to many (each takes ~11 s here)
+@pytest.mark.parametrize("dispatch,steps_per_message", [("calls", "auto"), ("compiled", 1), ("tree", "auto")])
 def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch, steps_per_message):
     x, y = batches(1)[0]
     reference = Reference(sgd())

@@ -291,7 +291,7 @@ def test_ctrl_c_while_waiting_leaves_the_steps_running_and_the_model_usable(disp
 
     import paddle.distributed as dist
 
-    data = Slow(40, row=21, seconds=10)  # row 21: the third step (2) waits for it
+    data = Slow(40, row=21, seconds=6)  # row 21: the third step (2) waits for it
     expected, ref = loader_reference(data, 5, sgd())
     mesh = dist.ProcessMesh([0, 1], dim_names=["dp"])
     loader = raydist.shard_dataloader(data, mesh, shard_dims="dp", batch_size=8, prefetch=1)
@@ -309,7 +309,7 @@ def test_ctrl_c_while_waiting_leaves_the_steps_running_and_the_model_usable(disp
                 float(losses[-1])
         finally:
             signal.signal(signal.SIGINT, previous)
-        assert time.monotonic() - start < 5  # at once, not when the slow step is done
+        assert time.monotonic() - start < 3.5  # at once (1.5 s), not when the slow step is done (~6 s)
         timer.join()
         for step, (loss, value) in enumerate(zip(losses, expected)):
             assert_close(loss, value, what=f"step {step}")  # nothing was dropped, or run twice
