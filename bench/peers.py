@@ -1,7 +1,8 @@
 """Peer memory and the replica check: what they cost per step, and what a lost node costs with them.
 
     python -m bench peers [--models gpt-mp2,gpt-pp2] [--steps 40] [--every 1,10,100] [--check 10]
-                          [--rounds 3] [--recovery-every 10] [--kill-after 15]
+                          [--rounds 3] [--idle-copies 0]
+                          [--recovery-every 10] [--kill-after 15]
 
 On a ``ray.cluster_utils.Cluster`` of real raylets on this machine: a 1-CPU head and three
 worker nodes with one "rank" each, so the two ranks run on two nodes and a copy crosses
@@ -20,10 +21,15 @@ from one to the other (the third is room for a replacement).
   (detection, a new group, the state, the steps computed again); of it, the restart's
   time and its state's part (the restart event's ``seconds`` and ``state_s``); the steps
   computed twice; and whether the losses equal a run that lost nothing.
+- *a copy alone* (``--idle-copies N``): after the rounds, N copies each after one step on
+  the otherwise idle machine: the machine's CPU they take (all processes: the rank's copy
+  and put, the raylets' transfer, the keeper), less a step's with peer memory off, and
+  the wall time from the step's end to the copy kept. Medians.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import threading
@@ -69,6 +75,105 @@ def _configure(dm, every: int | None, check: int | None) -> None:
         group.gather([a.mirror.remote(MirrorPlan(None, 0, base)) for a in group.actors], "bench")
 
 
+def _busy_s() -> float:
+    """The machine's busy CPU seconds so far, every core (Linux's /proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def _copy_cpu(dm, batches, repeats: int, window_s: float = 1.0) -> tuple[float, float]:
+    """One copy's cost with the machine otherwise idle: the machine's CPU (ms) over ``window_s``
+    from the start of one step whose copy follows, less that over the same window of one step with
+    peer memory off (each less the idle machine's CPU); the median over ``repeats`` pairs,
+    interleaved. The copy must be kept within the window (nothing polls the keepers in it).
+    And the idle machine's busy CPU seconds per second."""
+    from raydist import testing
+
+    life = testing.lifecycle(dm)
+    idle = []
+    for _ in range(5):
+        c, t = _busy_s(), time.perf_counter()
+        time.sleep(0.5)
+        idle.append((_busy_s() - c) / (time.perf_counter() - t))
+    rate = statistics.median(idle)
+    cpu = []
+    for i in range(repeats):
+        excess = {}
+        for every in (None, 1):
+            _configure(dm, every, None)
+            _timed(dm, batches[:2])  # a copy made on switching, and the first after it, out of the way
+            time.sleep(window_s)  # and their transfers
+            index = life.recovery.base + life.recovery.trained + 1
+            c, t = _busy_s(), time.perf_counter()
+            j = 2 + i % (len(batches) - 2)
+            _timed(dm, batches[j : j + 1])
+            time.sleep(max(0.0, window_s - (time.perf_counter() - t)))
+            excess[every] = _busy_s() - c - rate * (time.perf_counter() - t)
+            held = life.peers.copies() if every else {}
+            if every and not any(k == index and len(r) == len(dm.ranks) for (_, k), r in held.items()):
+                raise RuntimeError(f"the copy after step {index} was not kept within {window_s} s")
+        cpu.append(excess[1] - excess[None])
+    return statistics.median(cpu) * 1e3, rate
+
+
+class _BareRank:
+    """Ray alone, the same bytes: a rank's copy (host copy, put) handed to a keeper as raydist's are."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def copy(self, keeper) -> None:
+        import copy
+
+        import ray
+
+        ray.get(keeper.keep.remote([ray.put(copy.deepcopy(self.state))]))
+
+
+class _BareKeeper:
+    def keep(self, ref: list) -> None:
+        import ray
+
+        self.held = ray.get(ref[0])
+
+
+def _bare_copy_cpu(dm, repeats: int, rate: float, window_s: float = 1.0) -> float:
+    """The floor under `_copy_cpu`: the machine's CPU (ms) of the ranks' last copies (the very
+    objects, read from the keepers) copied, put and handed to keepers on the same nodes by bare
+    Ray actors, with nothing else running, less the idle machine's; the median of ``repeats``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import raydist
+    from raydist import testing
+    from raydist.driver.lifecycle.peers import PeerMemory, keeper_nodes
+
+    peers = testing.lifecycle(dm).peers
+    held = max((k, r) for k, r in peers.copies().items() if len(r) == len(dm.ranks))[1]
+    nodes = [s.node_id for s in sorted(raydist.status(), key=lambda s: s.rank)]
+    targets = keeper_nodes(nodes, [n["NodeID"] for n in ray.nodes() if n["Alive"]])
+
+    def on(node):
+        return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+    ranks = [ray.remote(_BareRank).options(**on(n)).remote(PeerMemory.read(held[r])) for r, n in enumerate(nodes)]
+    keepers = [ray.remote(_BareKeeper).options(**on(n)).remote() for n in targets]
+    try:
+        ray.get([r.copy.remote(k) for r, k in zip(ranks, keepers)])  # warm: the actors' first calls
+        cpu = []
+        for _ in range(repeats):
+            time.sleep(window_s)
+            c, t = _busy_s(), time.perf_counter()
+            ray.get([r.copy.remote(k) for r, k in zip(ranks, keepers)])
+            time.sleep(max(0.0, window_s - (time.perf_counter() - t)))
+            cpu.append(_busy_s() - c - rate * (time.perf_counter() - t))
+        return statistics.median(cpu) * 1e3
+    finally:
+        for actor in ranks + keepers:
+            ray.kill(actor)
+
+
 def _timed(dm, batches) -> float:
     start = time.perf_counter()
     for x, y in batches:
@@ -77,13 +182,13 @@ def _timed(dm, batches) -> float:
     return (time.perf_counter() - start) / len(batches)
 
 
-def cost_table(names: list[str], steps: int, everys: list[int], check: int, rounds: int) -> str:
+def cost_table(names: list[str], steps: int, everys: list[int], check: int, rounds: int, idle_copies: int = 0) -> str:
     import ray
 
     from bench import models
     from bench.common import raydist_model
 
-    rows = []
+    rows, copies = [], []
     cluster, _ = _cluster()
     try:
         for name in names:
@@ -110,13 +215,28 @@ def cost_table(names: list[str], steps: int, everys: list[int], check: int, roun
                     rows.append(f"| {name} | {config} | {statistics.median(per[config]) * 1e3:.2f} "
                                 f"| {statistics.median(ratios[config]):.3f}x |")  # fmt: skip
                     print(rows[-1], flush=True)
+                if idle_copies:
+                    cpu, rate = _copy_cpu(dm, batches, idle_copies)
+                    bare = _bare_copy_cpu(dm, idle_copies, rate)
+                    off = statistics.median(per["off"]) * 1e3
+                    # with every core busy with the ranks' steps, a copy's CPU is taken from the steps
+                    cores = os.cpu_count() or 1
+                    copies.append(f"| {name} | {cpu:.0f} | {cpu / 10 / cores / off * 100:.1f} % | {bare:.0f} "
+                                  f"| {bare / 10 / cores / off * 100:.1f} % |")  # fmt: skip
+                    print(copies[-1], flush=True)
             finally:
                 dm.shutdown()
     finally:
         ray.shutdown()
         cluster.shutdown()
     header = "| model | configuration | time per step (ms) | ratio to off, same round |"
-    return "\n".join([header, "|---|---|---:|---:|", *rows])
+    table = [header, "|---|---|---:|---:|", *rows]
+    if copies:
+        table += ["", ("| model | one copy of every rank's state, the machine otherwise idle: the machine's CPU (ms) "
+                       "| that CPU at K=10 shared by the cores, per step: % of a step with peer memory off "
+                       "| the same bytes copied, put and kept by bare Ray actors: CPU (ms) | its % at K=10 |"),
+                  "|---|---:|---:|---:|---:|", *copies]  # fmt: skip
+    return "\n".join(table)
 
 
 def _recovery_run(name: str, steps: int, every: int, kill_after: int, peer: bool) -> dict:

@@ -9,7 +9,7 @@
     python -m bench startup [--repeat 2] [--models mlp-mp2]
     python -m bench resume [--models gpt-mp2] [--steps 24] [--every 4] [--kill-after 10] [--repeat 3]
     python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
-    python -m bench peers [--models gpt-mp2,gpt-pp2] [--steps 40] [--every 1,10,100] [--check 10] [--rounds 3]
+    python -m bench peers [--models gpt-mp2,gpt-pp2] [--steps 40] [--every 1,10,100] [--check 10] [--rounds 3] [--idle-copies 0]
     python -m bench recovery [--models gpt-mp2,gpt-pp2] [--steps 30] [--every 10] [--kill-after 15] [--rounds 2]
     python -m bench attach [--models gpt-mp2] [--steps 12] [--before 6] [--repeat 3]
     python -m bench small [--models mlp-mp2,wide-mp2] [--steps 300] [--repeat 3] [--compiled]
@@ -153,6 +153,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--every", default="1,10,100", help="peer_memory values, comma-separated")
     sub.add_argument("--check", type=int, default=10, help="check_replicas")
     sub.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    sub.add_argument("--idle-copies", type=int, default=0,
+                     help="then this many copies, each alone on the idle machine: their CPU (medians)")
     sub = command("recovery", "a lost node with peer memory next to a checkpoint, on 3 nodes (bench/peers.py)")
     sub.add_argument("--models", default="gpt-mp2,gpt-pp2", help="comma-separated")
     sub.add_argument("--steps", type=int, default=30, help="steps per run (one epoch)")
@@ -232,7 +234,7 @@ def main(argv=None) -> None:
 
         if args.what == "peers":
             table = cost_table(args.models.split(","), args.steps, [int(k) for k in args.every.split(",")],
-                               args.check, args.rounds)  # fmt: skip
+                               args.check, args.rounds, args.idle_copies)  # fmt: skip
         else:
             table = recovery_table(args.models.split(","), args.steps, args.every, args.kill_after, args.rounds)
         _write(args, argv, table)

@@ -666,6 +666,10 @@ BENCH_FORMS = {
         what="paired", models="mlp-mp2,block-mp2,gptblock-mp2,llama-dp2xmp2", rounds=10),
     "paired --models wide-mp2 --rounds 10 --reads never": dict(what="paired", models="wide-mp2", rounds=10,
                                                                reads="never"),
+    "peers --models gpt-mp2,gpt-pp2 --steps 40 --rounds 3 --idle-copies 8": dict(
+        what="peers", models="gpt-mp2,gpt-pp2", steps=40, rounds=3, idle_copies=8, every="1,10,100", check=10),
+    "recovery --models gpt-mp2,gpt-pp2 --rounds 2": dict(what="recovery", models="gpt-mp2,gpt-pp2", rounds=2,
+                                                         every=10, kill_after=15, steps=30),
 }
 
 
