@@ -31,13 +31,18 @@ TESTS = Path(__file__).resolve().parent
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]  # Ray's CLI, whether or not its venv is on PATH
 
 
+# A shell's background job starts with SIGINT ignored, and so would its drivers: they could not be
+# interrupted (`run_driver`'s timeout) and their `finally` would not stop their clusters.
+INTERRUPTIBLE = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
 def run_driver(code: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None) -> str:
     """Run ``code`` as ``__main__`` of a fresh driver process; its stdout (it must succeed)."""
     temp = tempfile.mkdtemp(prefix="rdn", dir="/tmp")  # Ray's socket paths must stay short
     env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(TESTS), **(env or {})}
     if not env.get("RAY_ADDRESS"):
         env.pop("RAY_ADDRESS", None)
-    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+    driver = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE + textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=cwd)  # fmt: skip
     try:
         out, err = driver.communicate(timeout=timeout)
@@ -63,7 +68,7 @@ def driver_env(**more: str) -> dict:
 def start_driver(code: str, **env: str) -> subprocess.Popen:
     """``code`` (dedented) as a driver process of its own, talked to by lines (`helpers.said`,
     `helpers.tell`), its output on stdout; ``env``: more of its environment (`driver_env`)."""
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE + textwrap.dedent(code)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=driver_env(**env))  # fmt: skip
 
 
