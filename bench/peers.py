@@ -82,21 +82,24 @@ def _busy_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
 
 
-def _copy_cpu(dm, batches, repeats: int, window_s: float = 1.0) -> tuple[float, float]:
-    """One copy's cost with the machine otherwise idle: the machine's CPU (ms) over ``window_s``
-    from the start of one step whose copy follows, less that over the same window of one step with
-    peer memory off (each less the idle machine's CPU); the median over ``repeats`` pairs,
-    interleaved. The copy must be kept within the window (nothing polls the keepers in it).
-    And the idle machine's busy CPU seconds per second."""
-    from raydist import testing
-
-    life = testing.lifecycle(dm)
+def _idle_rate() -> float:
+    """The idle machine's busy CPU seconds per second (Ray's own processes), a median of 5 looks."""
     idle = []
     for _ in range(5):
         c, t = _busy_s(), time.perf_counter()
         time.sleep(0.5)
         idle.append((_busy_s() - c) / (time.perf_counter() - t))
-    rate = statistics.median(idle)
+    return statistics.median(idle)
+
+
+def _copy_cpu(dm, batches, repeats: int, rate: float, window_s: float = 1.0) -> float:
+    """One copy's cost with the machine otherwise idle: the machine's CPU (ms) over ``window_s``
+    from the start of one step whose copy follows, less that over the same window of one step with
+    peer memory off (each less the idle machine's CPU); the median over ``repeats`` pairs,
+    interleaved. The copy must be kept within the window (nothing polls the keepers in it)."""
+    from raydist import testing
+
+    life = testing.lifecycle(dm)
     cpu = []
     for i in range(repeats):
         excess = {}
@@ -114,7 +117,7 @@ def _copy_cpu(dm, batches, repeats: int, window_s: float = 1.0) -> tuple[float, 
             if every and not any(k == index and len(r) == len(dm.ranks) for (_, k), r in held.items()):
                 raise RuntimeError(f"the copy after step {index} was not kept within {window_s} s")
         cpu.append(excess[1] - excess[None])
-    return statistics.median(cpu) * 1e3, rate
+    return statistics.median(cpu) * 1e3
 
 
 class _BareRank:
@@ -216,7 +219,8 @@ def cost_table(names: list[str], steps: int, everys: list[int], check: int, roun
                                 f"| {statistics.median(ratios[config]):.3f}x |")  # fmt: skip
                     print(rows[-1], flush=True)
                 if idle_copies:
-                    cpu, rate = _copy_cpu(dm, batches, idle_copies)
+                    rate = _idle_rate()
+                    cpu = _copy_cpu(dm, batches, idle_copies, rate)
                     bare = _bare_copy_cpu(dm, idle_copies, rate)
                     off = statistics.median(per["off"]) * 1e3
                     # with every core busy with the ranks' steps, a copy's CPU is taken from the steps
