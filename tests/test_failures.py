@@ -110,6 +110,45 @@ def test_mesh_larger_than_the_group():
         raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
 
 
+def _live_pgs():
+    return sum(1 for pg in placement_group_table().values() if pg["state"] != "REMOVED")
+
+
+@pytest.mark.parametrize("kind", ["dpmp", "optimizer"])
+def test_a_builder_that_cannot_run_on_the_group_says_why_and_leaves_nothing(kind):
+    """A mesh of 4 processes on 2 ranks, an optimizer factory that returns None: the rank's
+    UsageError names the cause (not "process died"), and no rank or placement stays behind."""
+    before = _live_pgs()
+    if kind == "dpmp":
+        with pytest.raises(raydist.UsageError, match=r"uses processes \[2, 3\].*raise num_workers to 4"):
+            raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2)
+    else:
+        with pytest.raises(raydist.UsageError, match="factory returned None, not a paddle.optimizer.Optimizer"):
+            raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=lambda params: None, num_workers=2)
+    assert _live_pgs() == before
+
+
+def test_fit_takes_a_shard_dataloader_or_a_paddle_dataloader_and_refuses_the_rest():
+    """fit([...]) is a TypeError that says what fit wants, before a step; a paddle.io.DataLoader's
+    batches are global ones, trained as one process trains them; a shuffling one cannot resume."""
+    data = batches(3)
+    ref = Reference(sgd())
+    xs = np.concatenate([x for x, _ in data])
+    ys = np.concatenate([y for _, y in data])
+    dataset = paddle.io.TensorDataset([paddle.to_tensor(xs), paddle.to_tensor(ys)])
+    with raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2) as dm:
+        with pytest.raises(TypeError, match=r"fit wants a raydist.shard_dataloader\(...\) or a paddle.io.DataLoader, "
+                                            r"got list .*loop yourself"):  # fmt: skip
+            dm.fit([data[0]], progress=False)
+        assert dm.step == 0
+        shuffled = paddle.io.DataLoader(dataset, batch_size=8, shuffle=True)
+        with pytest.raises(ValueError, match="shuffling paddle.io.DataLoader"):
+            dm.fit(shuffled, max_failures=1, checkpoint_dir="unused", progress=False)
+        history = dm.fit(paddle.io.DataLoader(dataset, batch_size=8, shuffle=False), progress=False)
+        assert_close(history, [ref.train(x, y) for x, y in data])
+        assert_params_equal(dm.state_dict("param"), ref.params())
+
+
 def test_bad_batches_fail_at_the_driver_and_the_model_stays_usable():
     data = batches(2)
     ref = Reference(sgd())

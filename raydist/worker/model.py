@@ -73,6 +73,9 @@ class ModelService:
             )
         pipeline_stages(strategy, meshes, self.world_size)
         optimizer = optimizer_factory(layer.parameters()) if optimizer_factory is not None else None
+        if optimizer is None and optimizer_factory is not None:
+            raise UsageError("optimizer: the factory returned None, not a paddle.optimizer.Optimizer (does it "
+                             "`return` the optimizer it makes?); pass optimizer=None for a model without one")
         if optimizer is not None and not isinstance(optimizer, paddle.optimizer.Optimizer):
             inner = getattr(optimizer, "_inner_opt", None)  # dist.shard_optimizer's wrapper
             if not isinstance(inner, paddle.optimizer.Optimizer):

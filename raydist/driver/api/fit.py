@@ -85,7 +85,7 @@ class Training(Protocol):
 def fit(
     dm: "DistModel",
     training: Training,
-    loader: "ShardDataloader",
+    loader: "ShardDataloader | Any",
     epochs: int = 1,
     steps: int | None = None,
     checkpoint_every: int | None = None,
@@ -116,6 +116,7 @@ def fit(
         raise ValueError("eval_every needs an eval_loader")
     if eval_loader is not None and eval_loader is loader:
         raise ValueError("eval_loader must be a loader of its own: evaluating on the training loader ends its epoch")
+    loader = _epochs(loader, max_failures, resume)
     found = _found(checkpoint_dir, resume)
     total = len(loader) * epochs if steps is None else min(steps, len(loader) * epochs)
     if dm.mode != "train":
@@ -179,6 +180,30 @@ def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max
             run.finish()
         run.callbacks.on_end("train", run.logs)
     return run.history
+
+
+def _epochs(loader: Any, max_failures: int, resume: bool) -> Any:
+    """What fit reads batches from: a `raydist.ShardDataloader`, or a ``paddle.io.DataLoader`` that
+    the driver iterates (`raydist.data.epochs`); anything else is refused here, before a step."""
+    from ...data import ShardDataloader
+
+    if isinstance(loader, ShardDataloader):
+        return loader
+    import paddle
+
+    if not isinstance(loader, paddle.io.DataLoader):
+        hint = " (for a list of batches, loop yourself: `for x, y in batches: dm(x, y)`)" \
+            if isinstance(loader, (list, tuple)) else ""  # fmt: skip
+        raise TypeError(f"fit wants a raydist.shard_dataloader(...) or a paddle.io.DataLoader, got "
+                        f"{type(loader).__name__}{hint}")  # fmt: skip
+    from ...data.epochs import DataLoaderEpochs
+
+    epochs = DataLoaderEpochs(loader)
+    if epochs.shuffle and (max_failures or resume):
+        raise ValueError("fit: a shuffling paddle.io.DataLoader gives another order on every pass, so a run cannot "
+                         "go back into an epoch after a failure or a resume: use raydist.shard_dataloader(dataset, "
+                         "meshes, ..., shuffle=True, seed=S), whose order each epoch is the same on every pass")
+    return epochs
 
 
 def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":

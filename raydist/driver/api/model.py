@@ -414,7 +414,7 @@ class DistModel:
 
     def fit(
         self,
-        loader: ShardDataloader,
+        loader: ShardDataloader | Any,
         epochs: int = 1,
         steps: int | None = None,
         checkpoint_every: int | None = None,
@@ -441,7 +441,9 @@ class DistModel:
         `RankError` restarts the ranks, restores the newest state (see `restart`)
         and resumes the data where it stood; an elastic model grows at the first
         step boundary after room for more ranks shows. Returns the loss of every
-        step.
+        step. ``loader``: a `raydist.shard_dataloader` (the ranks read their rows), or a
+        ``paddle.io.DataLoader`` whose batches the driver sends as global batches (not a
+        shuffling one with ``max_failures`` or ``resume``: its order changes on every pass).
 
         With a ``checkpoint_dir``, the run's end is saved there too (and
         ``finished.json``). ``resume=True`` goes on with the run in
