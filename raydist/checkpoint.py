@@ -33,6 +33,7 @@ from .topology import Layout, Mesh
 
 FORMAT = "raydist-checkpoint-1"
 MANIFEST = "manifest.json"
+ABANDONED = ".abandoned-"  # in the name of a checkpoint moved aside (`abandon`)
 
 
 def open_dir(path: str) -> tuple[pafs.FileSystem, str]:
@@ -98,13 +99,25 @@ def listing(path: str) -> list[str]:
 
 def complete(directory: str, prefix: str = "step-") -> list[str]:
     """The complete checkpoints in ``directory`` whose names start with ``prefix``, oldest first
-    (by name: raydist's are zero-padded). A staging directory (``*.saving-*``) is never one."""
+    (by name: raydist's are zero-padded). A staging directory (``*.saving-*``) is never one, nor
+    an abandoned checkpoint (``*.abandoned-*``, `abandon`)."""
     if not exists(directory):
         return []
     filesystem, where = open_dir(directory)
-    names = sorted(n for n in listing(directory) if n.startswith(prefix) and ".saving-" not in n)
+    names = sorted(n for n in listing(directory) if n.startswith(prefix) and ".saving-" not in n
+                   and ABANDONED not in n)  # fmt: skip
     found = filesystem.get_file_info([posixpath.join(where, n, MANIFEST) for n in names])
     return [posixpath.join(directory, n) for n, info in zip(names, found) if info.type == pafs.FileType.File]
+
+
+def abandon(path: str) -> str:
+    """Move the checkpoint at ``path`` aside, to ``<path>.abandoned-<id>``: a checkpoint of a timeline
+    a restart went back from (`raydist.driver.model.saves`). Nothing loads it as a checkpoint of the
+    run any more, and its name is free for the save of the new timeline; its files stay, for a look."""
+    target = f"{path.rstrip('/')}{ABANDONED}{uuid.uuid4().hex[:8]}"
+    filesystem, where = open_dir(path)
+    filesystem.move(where, open_dir(target)[1])
+    return target
 
 
 def staged(directory: str) -> list[str]:

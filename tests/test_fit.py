@@ -50,6 +50,46 @@ def test_fit_survives_a_killed_rank_and_ends_where_an_undisturbed_run_does(calm,
     assert raydist.checkpoint.complete(str(tmp_path / "hurt"))[0].endswith("step-00000000")
 
 
+def dies_in_its_next_build(killed: str, marker: str):
+    """The dp builder; on rank 1, once ``killed`` exists, its next build kills the process (once)."""
+    inner = build("dp")
+
+    def build_layer():
+        if paddle.distributed.get_rank() == 1 and os.path.exists(killed) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return inner()
+
+    return build_layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_failures", [1, 2])
+def test_a_rank_dead_in_the_restart_is_one_more_failure_and_the_restart_is_tried_again(calm, tmp_path, max_failures):
+    """A rank killed in step 4; the restart's new rank 1 dies while it builds the model. That is a
+    second failure: with max_failures=1 fit raises it; with 2 the restart runs again and the run ends
+    where an undisturbed one does."""
+    killed, marker = tmp_path / "killed", tmp_path / "died-in-build"
+    loader = raydist.shard_dataloader(KillOnce(48, row=37, marker=str(killed)), MESH, shard_dims="dp", batch_size=8,
+                                      shuffle=True, seed=3, prefetch=2)  # fmt: skip
+    with raydist.to_static(dies_in_its_next_build(str(killed), str(marker)), loader, paddle.nn.MSELoss(), adamw(),
+                           num_workers=2) as dm:  # fmt: skip
+        fit = lambda: dm.fit(loader, epochs=2, checkpoint_every=3, checkpoint_dir=str(tmp_path / "run"),  # noqa: E731
+                             max_failures=max_failures, progress=False)  # fmt: skip
+        if max_failures == 1:
+            with pytest.raises(raydist.RankError, match="rank 1 process died") as info:
+                fit()
+            assert killed.exists() and marker.exists() and info.value.died
+            return
+        history, state = fit(), dm.state_dict("all")
+        kinds = [e["kind"] for e in dm.events() if e["kind"] in ("failure", "restart")]
+    assert killed.exists() and marker.exists()
+    assert kinds == ["failure", "failure", "restart"], kinds
+    assert_close(history, calm[0], rtol=0, atol=0, what="losses")
+    for name, value in calm[1].items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+
+
 @pytest.mark.slow
 def test_fit_gives_up_after_max_failures(tmp_path):
     loader = raydist.shard_dataloader(KillOnce(48, 5, str(tmp_path / "m")), MESH, shard_dims="dp", batch_size=8)

@@ -58,6 +58,49 @@ def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch
         testing.lifecycle(dm).close()
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(240)
+def test_a_rank_stopped_between_steps_after_restarts_is_found_within_the_limit_at_the_replica_check():
+    """dp2 with check_replicas=2, after two restarts (a rank killed each time): rank 1 stopped once
+    its steps completed. ``dm.wait()`` then asks the ranks for their replica checks: the stopped
+    rank is a RankError naming it within the step limit (before: Ray's own RPC timeout, minutes)."""
+    data, reference = batches(6), Reference(sgd())
+    dm = raydist.to_static(build("dp"), loss=paddle.nn.MSELoss(), optimizer=sgd(), num_workers=2, check_replicas=2,
+                           step_timeout_s=STEP_TIMEOUT_S)  # fmt: skip
+    pids = []
+    try:
+        for round_ in range(3):
+            for x, y in data[2 * round_:2 * round_ + 2]:
+                assert_close(float(dm(x, y)), reference.train(x, y))
+            pids = [r.pid for r in dm.ranks]
+            if round_ < 2:  # a rank killed, found at the next call, and a restart from the survivor's state
+                os.kill(pids[round_], signal.SIGKILL)
+                with pytest.raises(raydist.RankError):
+                    dm.wait()
+                    for _ in range(50):
+                        dm(x, y)
+                        time.sleep(0.2)
+                dm.restart()
+                # the step the kill interrupted is not counted: the reference lost it too, as the survivor's state
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        with pytest.raises(raydist.RankError) as info:
+            dm.wait()
+        took = time.monotonic() - stopped
+        assert info.value.rank == 1 and "no answer from ranks [1]" in str(info.value), info.value
+        assert "replica check" in str(info.value), info.value
+        assert took < FOUND_WITHIN_S, f"found after {took:.1f} s"
+        assert [e["source"] for e in dm.events() if e["kind"] == "restart"] == ["replicas", "replicas"]
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        testing.lifecycle(dm).close()
+
+
 # -- the watch's decisions, on scripted answers (no ranks) -------------------------------------------
 
 

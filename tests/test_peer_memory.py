@@ -298,6 +298,8 @@ def test_a_flipped_bit_in_one_replica_is_caught_at_the_next_check_and_restart_go
             try:
                 loss = float(dm(*data[i]))
             except raydist.ReplicaMismatchError as e:
+                if caught is None:  # found within two checks' distance of the flip after step 5
+                    assert i <= 5 + 2 * 2, f"raised when step {i + 1} was to be sent"
                 caught = caught or e
                 dm.restart()
                 continue  # step i again
@@ -329,6 +331,7 @@ def test_fit_recovers_from_a_flipped_bit_and_ends_as_one_process(tmp_path):
         params = dm.state_dict("param")
         [mismatch] = [e for e in dm.events() if e["kind"] == "replica_mismatch"]
     assert (tmp_path / "flipped").exists() and 2 in mismatch["ranks"] and len(mismatch["names"]) == 1, mismatch
+    assert mismatch["step"] <= 5 + 2 * 2, mismatch  # raised before a step past two checks' distance was sent
     assert_fit_like_one_process(losses, params, rows, 8, 2, 2, adamw())
 
 
@@ -402,3 +405,34 @@ def test_after_an_elastic_resize_a_killed_rank_comes_back_from_peer_memory():
         event, params = _kill_and_go_on(dm, data[3:], ref, kill_after=2, rank=1, in_flight=1)
     assert event["source"] == "peer_memory" and event["replayed"] == 1, event
     assert_params_equal(params, ref.params())
+
+
+@pytest.mark.slow
+def test_after_a_mismatch_fit_goes_back_to_a_checkpoint_before_it_and_saves_those_steps_again(tmp_path):
+    """No peer memory, checkpoints every 2 steps, check_replicas=4; a bit flips on rank 2 after step 5.
+    The check after step 8 finds it once steps 6 and 8 are saved: the restart loads step 4 (the last
+    clean check), not the newer checkpoints that hold the corruption; those are moved aside, the run
+    saves steps 6 and 8 again (no collision) and ends as one process; a resumed run finds the end."""
+    from models import Rows, assert_fit_like_one_process
+
+    rows, directory = Rows(64), tmp_path / "run"
+    mesh = paddle.distributed.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    loader = raydist.shard_dataloader(rows, mesh, shard_dims="dp", batch_size=8)
+    with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=4, check_replicas=4,
+                           runtime_env=_flip(tmp_path)) as dm:  # fmt: skip
+        losses = dm.fit(loader, epochs=2, checkpoint_every=2, checkpoint_dir=str(directory), max_failures=1,
+                        progress=False)  # fmt: skip
+        params = dm.state_dict("param")
+        events = dm.events()
+    assert (tmp_path / "flipped").exists()
+    [mismatch] = [e for e in events if e["kind"] == "replica_mismatch"]
+    [restart] = [e for e in events if e["kind"] == "restart"]
+    assert mismatch["after"] == 8 and restart["source"] == "checkpoint", (mismatch, restart)
+    assert restart["checkpoint"].endswith("step-00000004"), restart
+    assert_fit_like_one_process(losses, params, rows, 8, 2, 2, adamw())
+    names = os.listdir(directory)
+    aside = sorted(n.split(".abandoned-")[0] for n in names if ".abandoned-" in n)
+    assert aside[:2] == ["step-00000006", "step-00000008"], names
+    assert {"step-00000006", "step-00000008", "step-00000016"} <= set(names), names
+    found = raydist.latest_checkpoint(str(directory))
+    assert found.finished and found.steps == 16 and found.history == losses

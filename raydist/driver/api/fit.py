@@ -44,6 +44,7 @@ from . import resume as runs
 
 if TYPE_CHECKING:
     from ...data import ShardDataloader
+    from ..lifecycle.lifecycle import Restored
     from ..model.rates import LearningRate
     from ..watching.events import Events
     from ..watching.metrics import RunMetrics
@@ -61,11 +62,11 @@ class Training(Protocol):
 
     peer_memory: int | None  # train steps between copies of the ranks' state in peer memory (None: off)
 
-    def restart(self) -> int | None:
+    def restart(self) -> "Restored":
         """A fresh group of ranks after a failure, with the newest state: how many completed train
-        steps it stands behind the last completed one (0: the survivors' state, or peer memory's with
-        the steps since replayed; the loop feeds that many again), or None (a checkpoint's or the
-        initial state: the loop goes back to it)."""
+        steps it stands behind the last completed one (``behind``; 0: the survivors' state, or peer
+        memory's with the steps since replayed; the loop feeds that many again), or None (the state
+        of ``checkpoint``, or the initial one with none: the loop goes back to it)."""
 
     def verify(self, wait: bool = False) -> None:
         """Compare the replica checks that came back (``wait``: all of the steps sent); raise a
@@ -171,11 +172,20 @@ def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max
                         raise
                     log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
                 run.keep_completed()
-                behind = training.restart()
-                if behind is None:
-                    run.rewind()
+                while True:
+                    try:
+                        restored = training.restart()
+                        break
+                    except RankError as again:  # a node lost while the ranks are placed: one more failure
+                        failures += 1
+                        if failures > max_failures:
+                            raise
+                        log.warning("raydist: the restart failed: %s; restarting again (failure %d of %d)", again,
+                                    failures, max_failures)  # fmt: skip
+                if restored.behind is None:
+                    run.rewind(restored.checkpoint)
                 else:
-                    run.go_back(behind)
+                    run.go_back(restored.behind)
         if checkpoint_dir:
             run.finish()
         run.callbacks.on_end("train", run.logs)
@@ -216,7 +226,7 @@ def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":
                          "or pass resume=True to go on with the run in it")  # fmt: skip
     found = runs.latest_checkpoint(directory)
     leftovers = checkpoint.staged(directory)
-    others = [n for n in names if n != EVENTS_FILE]  # a run that died before its first checkpoint left its events
+    others = [n for n in names if n != EVENTS_FILE and checkpoint.ABANDONED not in n]  # a run that died before its first checkpoint left its events
     if found is None and len(leftovers) < len(others):
         raise ValueError(f"checkpoint_dir {directory} holds no complete raydist checkpoint, but other files: "
                          f"{sorted(names)[:5]}")  # fmt: skip
@@ -268,6 +278,7 @@ class _Run:
         self.identity: dict[str, Any] = {}
         self.user_callbacks: list[Any] = []
         self.pace: Pace = Pace(loader.batch_size)
+        self.saving: str | None = None  # the last checkpoint this run began to save
 
     def go_on_from(self, found: "runs.CheckpointInfo") -> None:
         """Where a checkpoint of this run left it (the model was loaded from it)."""
@@ -364,10 +375,15 @@ class _Run:
         background, the ranks writing their snapshots while the next steps run (`ModelState.save`)."""
         done = len(self.history)
         self.stood_still = True
+        path = posixpath.join(self.directory, f"step-{done:08d}")
+        if path == self.saving:  # a notice's save right after the schedule's: that one, complete
+            self.training.wait_saved()
+        if checkpoint.exists(path):  # saved on this timeline (a restart moves aside those of others)
+            return
+        self.saving = path
         record = {"identity": self.identity, "position": [epoch, step], "steps": done, "history": list(self.history),
                   "ended": self.ended, "callbacks": runs.callback_states(self.user_callbacks)}  # fmt: skip
-        self.dm.save(posixpath.join(self.directory, f"step-{done:08d}"), position=(epoch, step), record={"fit": record},
-                     background=background)  # fmt: skip
+        self.dm.save(path, position=(epoch, step), record={"fit": record}, background=background)
         self._keep_last()
 
     def _keep_last(self) -> None:
@@ -403,9 +419,12 @@ class _Run:
         self.bar.n = done
         self.bar.refresh()
 
-    def rewind(self) -> None:
-        """Back to the newest complete checkpoint (the restart restored its state)."""
-        found = runs.latest_checkpoint(self.directory) if self.directory else None  # what the restart loaded
+    def rewind(self, path: str | None) -> None:
+        """Back to the checkpoint at ``path`` (None: the start), whose state the restart restored."""
+        found = runs.checkpoint_info(path) if path is not None else None
+        if found is not None and "fit" not in found.record:
+            raise RuntimeError(f"the restart went back to {path}, a checkpoint from before this fit: the run cannot "
+                               "go on from it (its data position is not this run's)")  # fmt: skip
         self.position, done = (tuple(found.position), found.steps) if found is not None else ((0, 0), 0)
         del self.history[done:]
         self.bar.n = done

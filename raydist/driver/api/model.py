@@ -240,7 +240,7 @@ class DistModel:
         self = cls.__new__(cls)
         self._wire(snapshot.config, snapshot.sizes, snapshot.dispatch, snapshot.payload, snapshot.metrics,
                    snapshot.specs, snapshot.has_loss, snapshot.has_optimizer, 0)  # fmt: skip
-        self._state.last_checkpoint = snapshot.last_checkpoint
+        self._state.adopt_checkpoint(snapshot.last_checkpoint)
         self._hold_on(hold)
         if isinstance(loader, ShardDataloader):
             loader.prepare()
@@ -399,7 +399,7 @@ class DistModel:
         if position is not None:
             position = [int(p) for p in position]
         began, step = time.monotonic(), self._client.window.submitted
-        self._state.save(path, background, step=step, mode=self.mode, raydist=__version__,
+        self._state.save(path, self._life.trained(), background, step=step, mode=self.mode, raydist=__version__,
                          paddle=paddle.__version__, position=position, record=record or {})  # fmt: skip
         self._life.events.emit("checkpoint", step, path=path, background=background,
                                stall_s=round(time.monotonic() - began, 6))  # fmt: skip
@@ -410,7 +410,7 @@ class DistModel:
         What the model does not have yet (the optimizer's state before the
         train program is built) is restored when it is built.
         """
-        self._state.load(path, self._modes.built("train"))
+        self._state.load(path, self._modes.built("train"), self._life.trained())
 
     def fit(
         self,

@@ -65,11 +65,18 @@ def latest_checkpoint(directory: str) -> CheckpointInfo | None:
         if not done:
             return None
         path = done[-1]
+    return checkpoint_info(path)
+
+
+def checkpoint_info(path: str) -> CheckpointInfo:
+    """The checkpoint at ``path`` and where the run that wrote it stands."""
+    finished = checkpoint.read_json(posixpath.join(posixpath.dirname(path.rstrip("/")), FINISHED))
     manifest = checkpoint.read_manifest(path)
     record = manifest.get("record") or {}
     position = record.get("fit", {}).get("position") or manifest.get("position")
     steps = record["fit"]["steps"] if "fit" in record else int(manifest.get("step", 0))
-    return CheckpointInfo(path, steps, tuple(position) if position else None, record, finished is not None)
+    done = finished is not None and finished.get("checkpoint") == posixpath.basename(path.rstrip("/"))
+    return CheckpointInfo(path, steps, tuple(position) if position else None, record, done)
 
 
 def identity(loader: Any, params: dict[str, tuple]) -> dict[str, Any]:

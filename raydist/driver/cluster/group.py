@@ -73,6 +73,8 @@ class RankGroup:
         self._on_shutdown: list = []
         self._on_death: list = []
         self._on_failure: list = []
+        self._default_watch: "Watch | None" = None
+        self._started = False  # placed, joined and set up
         if adopt is None:
             self._start()
         else:
@@ -88,6 +90,7 @@ class RankGroup:
                 self._place()
                 self._spawn()
                 self._rendezvous(port)
+                self._started = True
                 return
             except RankError as e:
                 # A master port taken between our check and Paddle's bind
@@ -104,7 +107,7 @@ class RankGroup:
         self.actors, self._pg, self._owns_pg = list(actors), pg, True
         self._bundles = list(range(len(actors)))
         self.prefix = self.config.name or ""
-        self._alive = True
+        self._alive = self._started = True
         placed = self.gather([a.place.remote() for a in self.actors], "attach")
         self.places = [p for p, _ in placed]
         self.pids = [pid for _, pid in placed]
@@ -213,6 +216,7 @@ class RankGroup:
           `RankError` naming it; torn down.
         """
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        watch = watch or self._watch()
         try:
             if watch is None:
                 return ray.get(list(refs))
@@ -226,6 +230,17 @@ class RankGroup:
                     raise refusal from None
             sent = [*refs, *(r for out in later for r in out)] if steps is not None else []
             raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1, steps, sent) from e
+
+    def _watch(self) -> "Watch | None":
+        """The limit on any call to the ranks (``step_timeout_s``; None: none), for the calls made
+        without a client's: a rank that stops answering is found as in a step, whatever it was asked."""
+        if not self._started:  # a rank that starts (its process, Paddle's import) answers no ping yet
+            return None
+        if self._default_watch is None and self.config.step_timeout_s is not None:
+            from ..dispatch.hangs import Watch  # dispatch builds on the group: imported when first needed
+
+            self._default_watch = Watch(self, self.config.step_timeout_s)
+        return self._default_watch
 
     def _refusal(self, refs: Sequence) -> UsageError | None:
         """The `UsageError` every rank refused a call with; None if some did not refuse in time."""

@@ -130,6 +130,10 @@ class RankClient:
             except Exception:  # e.g. no room for spares: the steps go on without them
                 log.warning("raydist: %s failed after the first step", callback, exc_info=True)
 
+    def complete_until(self, number: int) -> None:
+        """Complete the steps in flight up to step ``number``; raises the first failure."""
+        self.window.complete_until(number)
+
     def drain(self) -> None:
         """Complete every step in flight; raises the first failure."""
         self.window.drain()

@@ -171,6 +171,11 @@ class Window:
         while not step.done:
             self._complete_oldest()  # which sends what is held first, if there is room
 
+    def complete_until(self, number: int) -> None:
+        """Complete the steps up to step ``number`` (raising the first failure)."""
+        while self.completed <= number and (self._sent or self._held):
+            self._complete_oldest()
+
     def drain(self) -> None:
         """Send what is held, and complete every step (raising the first failure)."""
         while self._sent or self._held:

@@ -58,6 +58,36 @@ ROOM_POLL_S = 1.0  # how often an elastic model below its largest size looks for
 
 
 @dataclasses.dataclass(frozen=True)
+class Restored:
+    """What a restart went on from: ``source`` ("replicas", "peer_memory", "checkpoint" or "start");
+    ``behind``: the completed train steps the state stands behind the last one that completed (0: on
+    from there; a number: peer memory's, whose steps since came from a loader, for the loop to feed
+    again) or None (the ``checkpoint``'s state, or the initial one: the loop goes back to it)."""
+
+    source: str
+    behind: int | None
+    checkpoint: str | None = None
+
+
+@dataclasses.dataclass
+class Failure:
+    """What a failure left for its restart, read once: a restart that fails itself (a node lost while
+    its ranks are placed, a rank dead in the replay) is tried again from the same. ``recovery``: the
+    books of the failed group; ``salvaged``: its survivors' state; ``first_step``, ``done``: the
+    numbers of the next step and of the first not completed; ``completed``: the train steps done;
+    ``bound``: the newest count whose state a restart trusts (the last clean check after a mismatch);
+    ``rate``: the learning rate the first step not completed ran with."""
+
+    recovery: Recovery
+    salvaged: tuple[dict, Any, int] | None
+    first_step: int
+    done: int
+    completed: int
+    bound: int
+    rate: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Dispatch:
     """How steps travel to a group (see `raydist.DistModel`): messages in flight, steps per message, path."""
 
@@ -88,6 +118,7 @@ class Lifecycle:
         self.replicas = ReplicaCheck(config.check_replicas, config.replica_mismatch == "warn") \
             if config.check_replicas else None  # fmt: skip
         self._mismatched = False  # the last failure was a replica mismatch: copies after the last clean check are not
+        self._failure: Failure | None = None  # what the last failure left, until a restart succeeds
         self.spares = SparePool(config, spare_ranks)
         self.client: RankClient | None = None
         self.meshes: list = []  # of the layer's parameters, as the live group built them
@@ -154,7 +185,7 @@ class Lifecycle:
         self._finalizer = weakref.finalize(self, _on_a_thread(stop))
         # the steps in flight, and with peer memory the steps since the copy before the last one
         keep = (d.max_in_flight + 1) * client.window.most + 2 + 2 * (self.peer_memory or 0)
-        self.recovery.started(keep, base)
+        self.recovery = Recovery(keep, base)  # the one before stays with a restart that still needs it
         return client
 
     def _mirror(self, base: int, forget: bool = True) -> None:
@@ -179,11 +210,19 @@ class Lifecycle:
         is torn down, as after a failure)."""
         if self.replicas is None or self.client is None or not self.client.alive:
             return
+        client, sent = self.client, self.recovery.base + self.recovery.trained
         if wait:
-            self.client.drain()
-        elif not self.replicas.due(self.recovery.base + self.recovery.trained):
+            client.drain()
+        elif not self.replicas.due(sent):
             return  # the per-step path: no check due, nothing asked
-        self.replicas.poll(self.recovery.completed(self.client.window.completed), wait)
+        late = None if wait else self.replicas.overdue(sent)
+        if late is not None:  # a mismatch is raised within two checks' distance of the step it came after
+            number = self.recovery.number(late - 1)
+            if number is not None:
+                client.complete_until(number)
+            wait = True
+        gather = (lambda refs: client.group.gather(refs, "the replica check", watch=client.watch)) if wait else None
+        self.replicas.poll(self.recovery.completed(client.window.completed), gather)
         try:
             self.replicas.raise_found()
         except ReplicaMismatchError as e:
@@ -231,12 +270,14 @@ class Lifecycle:
 
     def _start_over(self, why: str) -> None:
         """A new group for a detached model whose ranks cannot go on, from its last checkpoint."""
-        path = self.state.last_checkpoint
+        saved = self.state.saves.last
+        path = saved.path if saved is not None else None
         log.warning("raydist: the detached model %r cannot go on where it stood: %s; starting its ranks again "
                     "from %s", self.hold.name, why, path or "its initial parameters (no checkpoint)")  # fmt: skip
-        self.start(first_step=checkpoint.read_manifest(path).get("step", 0) if path else 0)
+        self.start(first_step=checkpoint.read_manifest(path).get("step", 0) if path else 0,
+                   base=saved.trained if saved is not None else 0)  # fmt: skip
         if path is not None:
-            self.state.load(path, self.modes.built("train"))
+            self.state.load(path, self.modes.built("train"), None)
         self.events.emit("restart", self.step(), size=self.client.size, source="checkpoint" if path else "start",
                          checkpoint=path, replayed=None)  # fmt: skip
 
@@ -295,32 +336,51 @@ class Lifecycle:
         """Wait until the checkpoint being written in the background is complete."""
         self.state.wait_saved()
 
-    def restart(self) -> int | None:
+    def trained(self) -> int:
+        """The train steps sent to the model over its life (the state a save now writes is after them)."""
+        return self.recovery.base + self.recovery.trained
+
+    def restart(self) -> Restored:
         """A fresh group (after a failure), with the newest state there is: the survivors' (if they
         hold all of it), else peer memory's newest complete copy and the train steps since replayed,
-        else the last checkpoint's, or the initial parameters. Returns how many completed train steps
-        the state stands behind the last one that completed: 0 (on from there), a number (peer
-        memory, whose steps since came from a loader: the caller feeds them again), or None (a
-        checkpoint's or the initial state). See `raydist.DistModel.restart`."""
+        else the newest checkpoint of the timeline, or the initial parameters. After a replica
+        mismatch, nothing newer than the last check that passed. The checkpoints after the state it
+        goes on from leave the timeline (`raydist.driver.model.saves`). What it went on from: see
+        `Restored`, and `raydist.DistModel.restart`."""
         self.state.wait_saved()  # a background save ends first: committed, or gone with the ranks
-        salvaged = self.recovery.take()
-        first_step, done = self.client.window.submitted, self.client.window.completed
-        completed = self.recovery.completed(done)
-        resume_rate = self.recovery.resume_rate(done, self.rates.position())
-        copy, newest, began = None, completed, time.monotonic()
-        if self._mismatched:  # the copies after the last check that passed may hold the corruption
-            salvaged, newest, self._mismatched = None, min(completed, self.replicas.clean), False
+        if self._failure is None:
+            self._failure = self._failed_at()
+        restored = self._restart(self._failure)  # a failure in it: the next restart starts from the same
+        self._failure = None
+        return restored
+
+    def _failed_at(self) -> Failure:
+        """What the failure of the live group left for a restart."""
+        recovery, window = self.recovery, self.client.window
+        completed = recovery.completed(window.completed)
+        failure = Failure(recovery, recovery.take(), window.submitted, window.completed, completed, completed,
+                          recovery.resume_rate(window.completed, self.rates.position()))  # fmt: skip
+        if self._mismatched:  # the states after the last check that passed may hold the corruption
+            failure.salvaged, failure.bound, self._mismatched = None, min(completed, self.replicas.clean), False
+        return failure
+
+    def _restart(self, failure: Failure) -> Restored:
+        recovery, salvaged, bound = failure.recovery, failure.salvaged, failure.bound
+        first_step, done, completed, resume_rate = failure.first_step, failure.done, failure.completed, failure.rate
+        copy, began, why = None, time.monotonic(), "the model has no peer memory"
         if salvaged is None and self.peers is not None:
-            copy = self._newest_copy(completed, newest)
+            copy, why = self._newest_copy(recovery, completed, bound)
         state_s = time.monotonic() - began  # the state's time: finding it, and putting it in the new group
         freed = self.client.group.live_bundles()
         self.close()
-        path = self.state.last_checkpoint
+        saves = self.state.saves
+        saved = saves.newest(at_most=bound)
         behind: int | None = 0
         replay_s = 0.0
         if salvaged is not None:
             state, rate, trained = salvaged
-            self.start(first_step, freed=freed, base=self.recovery.base + trained, mirror=False)
+            saves.went_back(recovery.base + trained)
+            self.start(first_step, freed=freed, base=recovery.base + trained, mirror=False)
             state_s += _timed(self._put_back, state, rate)
             self._mirror(self.recovery.base, forget=False)
             log.warning("raydist: went on from the state the surviving ranks held after %d train steps "
@@ -328,6 +388,7 @@ class Lifecycle:
             source, replayed = "replicas", 0
         elif copy is not None:
             index, state, steps = copy
+            saves.went_back(min(bound, index + _replayable(steps)))
             self.start(first_step, freed=freed, base=index, mirror=False)
             if state is not None:
                 state_s += _timed(self._put_back, state, None)
@@ -342,44 +403,55 @@ class Lifecycle:
             source, replayed = "peer_memory" if state is not None else "start", len(steps)
         else:
             if self.peers is not None:
-                log.warning("raydist: peer memory holds no complete copy (a rank and the node of its copy both "
-                            "died): %s", f"back to the checkpoint {path}" if path else "starting over")
-            self.start(first_step, freed=freed, mirror=False)
-            if path is not None:
-                state_s += _timed(self.state.load, path, self.modes.built("train"))
-                source, replayed = "checkpoint", done - checkpoint.read_manifest(path).get("step", 0)
+                log.warning("raydist: peer memory cannot serve the restart: %s; %s", why,
+                            f"back to the checkpoint {saved.path}" if saved else "starting over")  # fmt: skip
+            saves.went_back(saved.trained if saved is not None else -1)
+            self.start(first_step, freed=freed, base=saved.trained if saved is not None else 0, mirror=False)
+            if saved is not None:
+                state_s += _timed(self.state.load, saved.path, self.modes.built("train"), None)
+                source, replayed = "checkpoint", done - checkpoint.read_manifest(saved.path).get("step", 0)
             else:
                 source, replayed = "start", done
-            self._mirror(0)
+            self._mirror(self.recovery.base)
             behind = None
-        self.events.emit("restart", first_step, size=self.client.size, source=source,
-                         checkpoint=path if source == "checkpoint" else None, replayed=max(0, replayed),
-                         behind=behind, seconds=round(time.monotonic() - began, 3), state_s=round(state_s, 3),
-                         replay_s=round(replay_s, 3))  # fmt: skip
-        return behind
+        path = saved.path if source == "checkpoint" else None
+        self.events.emit("restart", first_step, size=self.client.size, source=source, checkpoint=path,
+                         replayed=max(0, replayed), behind=behind, seconds=round(time.monotonic() - began, 3),
+                         state_s=round(state_s, 3), replay_s=round(replay_s, 3))  # fmt: skip
+        return Restored(source, behind, path)
 
-    def _newest_copy(self, completed: int, newest: int) -> tuple[int, dict | None, list] | None:
+    def _newest_copy(self, recovery: Recovery, completed: int,
+                     newest: int) -> tuple[tuple[int, dict | None, list] | None, str]:  # fmt: skip
         """The newest state peer memory can give at or before ``newest`` train steps, whole (every
         shard of a copy made after the same step) and with the steps since kept up to ``completed``:
-        (its index, the state or None for the initial one, the (rate, message) of each step since)."""
+        (its index, the state or None for the initial one, the (rate, message) of each step since),
+        or None; and why not the newer copies (for the log)."""
+        whys = []
         for (generation, index), holders in sorted(self.peers.copies().items(), key=lambda kv: kv[0][::-1],
                                                    reverse=True):  # fmt: skip
-            steps = self.recovery.since(index, completed) if index <= newest else None
+            if index > newest:
+                whys.append(f"the copy after {index} train steps is newer than the last state to trust ({newest})")
+                continue
+            steps = recovery.since(index, completed)
             if steps is None:
+                whys.append(f"the driver no longer keeps the train steps since the copy after {index}")
                 continue
             try:
                 answers = {rank: (index, False, self.peers.read(held)) for rank, held in holders.items()}
             except Exception as e:  # noqa: BLE001 - a keeper lost meanwhile: an older copy may do
-                log.warning("raydist: a copy after %d train steps could not be read: %s", index, e)
+                whys.append(f"the copy after {index} train steps could not be read ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})")  # fmt: skip
                 continue
             found = assemble_live(answers, self.state.names)
             if not isinstance(found, str):
-                return index, found[1], steps
-        if self.recovery.base == 0 and self.state.last_checkpoint is None:
-            steps = self.recovery.since(0, completed)
+                return (index, found[1], steps), ""
+            whys.append(f"the copy after {index} train steps is incomplete: "
+                        f"{found.replace('surviving rank', 'rank kept')}")  # fmt: skip
+        if recovery.base == 0 and self.state.last_checkpoint is None:
+            steps = recovery.since(0, completed)
             if steps is not None:  # no copy yet: the initial state, which the builders make again
-                return 0, None, steps
-        return None
+                return (0, None, steps), ""
+        return None, "; ".join(whys[:3]) or "it holds no copy yet"
 
     def _replay(self, steps: list[tuple[Any, Any]], resume_rate: Any) -> int:
         """Run again the train steps ``steps`` ((rate, message) each) that came from the driver's
@@ -584,6 +656,12 @@ def _on_a_thread(stop: Callable[[], None]) -> Callable[[], None]:
             stop()
 
     return start
+
+
+def _replayable(steps: list[tuple[Any, Any]]) -> int:
+    """How many of ``steps`` ((rate, message) each) a replay can run: those up to the first that came
+    from a loader (the loop feeds that one and the rest again)."""
+    return next((i for i, (_, message) in enumerate(steps) if not isinstance(message, ArraysStep)), len(steps))
 
 
 def _timed(call: Callable[..., Any], *args: Any) -> float:

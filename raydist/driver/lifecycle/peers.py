@@ -123,7 +123,7 @@ class PeerMemory:
         """A rank of ``group`` died: take the survivors' own copies before the group is torn down."""
         refs = call_on(group.actors, RankActor.mirrored)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-        self.local = {}
+        # added to what earlier deaths left: a restart that failed itself still has the first survivors'
         for rank, ref in enumerate(refs):
             if ref in ready:
                 try:

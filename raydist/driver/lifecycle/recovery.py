@@ -35,8 +35,8 @@ LIVE_STATE_WAIT_S = 3.0
 class Recovery:
     """The train steps sent to the live group, and the survivors' state once a rank of it died."""
 
-    def __init__(self) -> None:
-        self.started(0)
+    def __init__(self, keep: int = 1, base: int = 0) -> None:
+        self.started(keep, base)
 
     def started(self, keep: int, base: int = 0) -> None:
         """A new group: no train step sent to it yet. ``keep``: how many of the latest to remember
@@ -58,6 +58,10 @@ class Recovery:
         """The train steps the model completed (over its life), ``done``: the number of the first
         step of any mode that did not complete."""
         return self.base + self.trained - sum(1 for _, number, _, _ in self._sent if number >= done)
+
+    def number(self, index: int) -> int | None:
+        """The step number of train step ``index`` (over the model's life; None: not kept, or not sent)."""
+        return next((number for i, number, _, _ in reversed(self._sent) if i == index), None)
 
     def since(self, index: int, completed: int) -> list[tuple[Any, Any]] | None:
         """(rate, message) of the train steps from ``index`` (over the model's life) to ``completed``,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
+
 import ray
 
 from ...errors import ReplicaMismatchError
@@ -48,24 +50,38 @@ class ReplicaCheck:
         bound of those done: the train calls in between look no further)."""
         return self.mismatch is not None or bool(self._asked) or (self._actors is not None and self._next <= sent)
 
-    def poll(self, completed: int, wait: bool = False) -> None:
+    def overdue(self, sent: int) -> int | None:
+        """The oldest train-step count whose check is not compared yet though ``sent`` train steps
+        were sent, ``every`` or more past it: a caller that sends more without it could train on a
+        corrupt replica for longer than two checks' distance. None if none is."""
+        if self._actors is None:
+            return None
+        oldest = self._asked[0][0] if self._asked else self._next
+        return oldest if sent >= oldest + self.every else None
+
+    def poll(self, completed: int, wait: Callable[[list], list] | None = None) -> None:
         """Ask for the checks of steps that completed (``completed``: the model's train steps done),
-        compare those answered (``wait``: every one asked); a mismatch is kept for `raise_found`."""
+        compare those answered; a mismatch is kept for `raise_found`. ``wait``: get every one asked
+        with it (the group's watched gather: a rank that hangs is found there, as in a step)."""
         if self._actors is None:
             return
         while self._next <= completed:
             self._asked.append((self._next, call_on(self._actors, RankActor.replica_codes, self._next)))
             self._next += self.every
-        timeout = None if wait else 0
-        while self._asked and not ray.wait(self._asked[0][1], num_returns=len(self._asked[0][1]), timeout=timeout)[1]:
+        while self._asked and (wait is not None or not ray.wait(self._asked[0][1], num_returns=len(self._asked[0][1]),
+                                                                timeout=0)[1]):  # fmt: skip
             index, refs = self._asked.popleft()
-            try:
-                codes = dict(enumerate(ray.get(refs)))
-            except Exception:  # noqa: BLE001 - a rank's failure reaches the driver by its own path
-                continue
+            if wait is not None:
+                codes = dict(enumerate(wait(refs)))
+            else:
+                try:
+                    codes = dict(enumerate(ray.get(refs)))
+                except Exception:  # noqa: BLE001 - a rank's failure reaches the driver by its own path
+                    continue
             found = compare(codes, index)
             if found is None:
-                self.clean = max(self.clean, index)
+                if all(mine is not None for mine in codes.values()):  # a rank without its codes proves nothing
+                    self.clean = max(self.clean, index)
             elif self.warn:
                 log.warning("raydist: %s (replica_mismatch='warn': going on)", found.cause)
             else:

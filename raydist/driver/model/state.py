@@ -23,6 +23,7 @@ from ... import checkpoint
 from ...protocol import RankActor
 from ..dispatch.client import RankClient
 from .rates import LearningRate
+from .saves import Saves
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +36,24 @@ class ModelState:
         self.client: RankClient | None = None  # the live group's, from its start on
         self.rates = rates
         self.has_optimizer = has_optimizer
-        self._last_checkpoint: str | None = None
         self.on_change: Callable[[], None] | None = None  # told when last_checkpoint changes
+        self.saves = Saves(self._changed)  # the checkpoints of the current timeline
         self._pending: tuple[str, dict] | None = None  # (path, {name: manifest entry}) still to restore
         self.names: set[str] = set()  # every tensor of the state, as of the last build
         self._saving: threading.Thread | None = None  # a background save's commit
 
     @property
     def last_checkpoint(self) -> str | None:
-        """The latest checkpoint saved or loaded, for restart()."""
-        return self._last_checkpoint
+        """The latest checkpoint saved or loaded on the current timeline."""
+        last = self.saves.last
+        return last.path if last is not None else None
 
-    @last_checkpoint.setter
-    def last_checkpoint(self, path: str | None) -> None:
-        self._last_checkpoint = path
+    def adopt_checkpoint(self, path: str | None) -> None:
+        """A detached model's last checkpoint, as the driver before knew it (its count from its manifest)."""
+        if path is not None:
+            self.saves.loaded(int(checkpoint.read_manifest(path).get("trained", 0)), path)
+
+    def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
 
@@ -87,10 +92,11 @@ class ModelState:
             full[name] = array
         self.client.call(RankActor.set_state, ray.put(full))
 
-    def save(self, path: str, background: bool = False, **info: Any) -> None:
+    def save(self, path: str, trained: int, background: bool = False, **info: Any) -> None:
         """Every rank writes its shards to a staging directory; then the manifest, and the commit.
 
-        ``info``: what the manifest records besides the tensors (step, mode...). ``background``:
+        ``trained``: the train steps the state is after (over the model's life; the manifest keeps
+        it); ``info``: what the manifest records besides the tensors (step, mode...). ``background``:
         return once every rank holds a copy of its shards in host memory; they are written
         beside the next steps, and a thread of the driver commits once all are written (or
         removes the staging directory if one failed: nothing that looks complete is left).
@@ -113,17 +119,17 @@ class ModelState:
             for name in plan[rank]:
                 files[name][rank] = file
         manifest = checkpoint.manifest(meta, files, num_workers=self.client.size, learning_rate=self.rates.manifest(),
-                                       **info)  # fmt: skip
+                                       trained=trained, **info)  # fmt: skip
         if not background:
             checkpoint.commit(staged, path, manifest)
-            self.last_checkpoint = path
+            self.saves.saved(trained, path)
             return
         writes = [self.client.actor(r).saved.remote(staged) for r in ranks]
-        self._saving = threading.Thread(target=self._commit, args=(writes, staged, path, manifest),
+        self._saving = threading.Thread(target=self._commit, args=(writes, staged, path, manifest, trained),
                                         name="raydist-save", daemon=True)  # fmt: skip
         self._saving.start()
 
-    def _commit(self, writes: list, staged: str, path: str, manifest: dict) -> None:
+    def _commit(self, writes: list, staged: str, path: str, manifest: dict, trained: int) -> None:
         try:
             ray.get(writes)
             checkpoint.commit(staged, path, manifest)
@@ -132,7 +138,7 @@ class ModelState:
             log.warning("raydist: the checkpoint %s was not written (%s: %s); %s stands", path, type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "", self.last_checkpoint)  # fmt: skip
             return
-        self.last_checkpoint = path
+        self.saves.saved(trained, path)
 
     def wait_saved(self) -> None:
         """Wait for a background save to end (committed, or removed after a failure)."""
@@ -140,8 +146,10 @@ class ModelState:
         if saving is not None:
             saving.join()
 
-    def load(self, path: str, train_built: bool) -> dict:
-        """Restore the tensors of the checkpoint at ``path``; its manifest (for what else it keeps)."""
+    def load(self, path: str, train_built: bool, trained: int | None) -> dict:
+        """Restore the tensors of the checkpoint at ``path``; its manifest (for what else it keeps).
+        ``trained``: the model's count of train steps from here on, where a new timeline begins
+        (a user's load); None: the checkpoint is of the current timeline (a restart's)."""
         self.wait_saved()
         manifest = checkpoint.read_manifest(path)
         tensors = dict(manifest["tensors"])
@@ -155,7 +163,8 @@ class ModelState:
             )
         self._pending = (path, tensors)
         self._restore(meta, train_built)
-        self.last_checkpoint = path
+        if trained is not None:
+            self.saves.loaded(trained, path)
         self.rates.restore(manifest.get("learning_rate") or {})
         return manifest
 
