@@ -129,6 +129,52 @@ def test_a_plain_loop_moves_off_a_draining_node_then_grows_back_when_one_joins()
     assert "moved off and grew back like one process" in out and "moving off it, from 4 to 2 ranks" in out
 
 
+def test_a_fixed_size_fit_moves_off_a_draining_node_when_the_others_have_room():
+    """dp x mp2 on 4 ranks (fixed) over three nodes with room for 6: a notice for a node of the ranks
+    after step 3 moves the 4 ranks off it before its deadline, with the live state: no checkpoint,
+    no failure, no step run twice; the losses and parameters of one plain process."""
+    out = run_driver(cluster(3) + DRAIN + """
+    try:
+        dm = raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=4,
+                               resources_per_rank={"CPU": 1, "rank": 1})
+        victim = next(n for n in nodes if n.node_id in {s.node_id for s in raydist.status()})
+        sizes, noticed, go = [], threading.Event(), threading.Event()
+
+        class Notice(paddle.callbacks.Callback):
+            def on_train_batch_end(self, step, logs=None):
+                sizes.append(dm.num_workers)
+                if len(sizes) == 3:
+                    noticed.set()
+                    go.wait(60)
+
+        run = {}
+        fit = threading.Thread(target=lambda: run.update(losses=dm.fit(loader, epochs=2, progress=False,
+                                                                       callbacks=[Notice()])))  # fmt: skip
+        fit.start()
+        noticed.wait(120)
+        deadline = drain(victim)
+        wait_for(lambda: victim.node_id in testing.lifecycle(dm)._drains.draining, deadline)
+        go.set()
+        wait_for(lambda: victim.node_id not in {s.node_id for s in raydist.status()}, deadline)
+        print(f"off the draining node {DEADLINE_S - (deadline - time.monotonic()):.1f} s after the notice")
+        cluster.remove_node(victim)
+        fit.join(240)
+        losses = run["losses"]
+        kinds = [(e["kind"], e.get("action") or e.get("why")) for e in dm.events()
+                 if e["kind"] in ("drain", "resize", "failure", "restart", "checkpoint")]  # fmt: skip
+        assert kinds == [("drain", "move"), ("resize", "drain")], kinds
+        assert sizes == [4] * 16 and len(losses) == 16 and dm.step == 16, sizes
+        assert_fit_like_one_process(losses, dm.state_dict("param"), rows, 8, 2, 2, adamw(), shuffle=True, seed=3)
+        dm.shutdown()
+        print("a fixed size moved off like one process")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    """)
+    print(out)
+    assert "a fixed size moved off like one process" in out and "moving off it, from 4 to 4 ranks" in out
+
+
 def test_a_fixed_size_fit_checkpoints_at_the_notice_and_loses_no_step_when_the_node_goes():
     """dp x mp2 on 4 ranks (fixed) over two nodes, fit with max_failures=0: a notice after step 3
     is a checkpoint at the next step boundary; the node goes, a new one joins, and the ranks restart

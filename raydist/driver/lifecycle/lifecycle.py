@@ -451,7 +451,8 @@ class Lifecycle:
             steps = recovery.since(0, completed)
             if steps is not None:  # no copy yet: the initial state, which the builders make again
                 return (0, None, steps), ""
-        return None, "; ".join(whys[:3]) or "it holds no copy yet"
+        return None, "; ".join(whys[:3]) or "no copy is left (none made yet, or the ranks that made them and the " \
+            "keepers that held them are all gone)"
 
     def _replay(self, steps: list[tuple[Any, Any]], resume_rate: Any) -> int:
         """Run again the train steps ``steps`` ((rate, message) each) that came from the driver's
@@ -485,8 +486,9 @@ class Lifecycle:
     def at_boundary(self, look: bool = False, before: Callable[[], Any] | None = None,
                     grow: bool = True) -> str | None:  # fmt: skip
         """Between two steps: act on a preemption notice for a node of the live group, else grow if
-        there is room (``look``: look now, see `can_grow`). What was done: ``"moved"`` (an elastic
-        model left the draining node, from its live state), ``"noticed"`` (it could not: `notice` is
+        there is room (``look``: look now, see `can_grow`). What was done: ``"moved"`` (the model left
+        the draining node, from its live state, at an accepted size the other nodes hold: a fixed-size
+        model's only one), ``"noticed"`` (it could not: `notice` is
         set, for `fit` to checkpoint), ``"grew"``, or None. ``before`` runs before any of these;
         ``grow=False``: act on notices only."""
         if self.client is None or not self.client.alive:
@@ -498,12 +500,12 @@ class Lifecycle:
         if notice is not None:
             on = [r for r, node in enumerate(self.client.group.nodes) if node in notice.nodes]
             log.warning("raydist: preemption notice: %s; it holds ranks %s", notice, on)
-            size = self._size_off() if self.sizes.elastic else None
+            size = self._size_off()  # a fixed-size model moves too, when its size fits elsewhere
             self.events.emit("drain", self.step(), nodes=sorted(notice.nodes), deadline=notice.deadline, ranks=on,
                              action="move" if size is not None else "checkpoint")  # fmt: skip
             if size is not None:
-                log.warning("raydist: moving off it, from %d to %d ranks, with the live state (no checkpoint)",
-                            self.client.size, size)  # fmt: skip
+                log.warning("raydist: moving off it, from %d to %d ranks on other nodes, with the live state (no "
+                            "checkpoint)", self.client.size, size)  # fmt: skip
                 self.resize(size, why="drain")
                 return "moved"
             self.notice = notice
