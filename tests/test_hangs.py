@@ -19,6 +19,16 @@ STEP_TIMEOUT_S = 3.0
 FOUND_WITHIN_S = STEP_TIMEOUT_S + watch_module.REPORT_GRACE_S + watch_module.LOOK_MAX_S + watch_module.PING_S + 5
 
 
+def _go_on_and_close(dm, pids):
+    """Let the stopped processes go on (a test that failed left them stopped) and stop the ranks."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    testing.lifecycle(dm).close()
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
@@ -50,12 +60,7 @@ def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch
         with pytest.raises(raydist.GroupShutdownError):
             dm(x, y)
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        testing.lifecycle(dm).close()
+        _go_on_and_close(dm, pids)
 
 
 @pytest.mark.slow
@@ -93,12 +98,7 @@ def test_a_rank_stopped_between_steps_after_restarts_is_found_within_the_limit_a
         assert took < FOUND_WITHIN_S, f"found after {took:.1f} s"
         assert [e["source"] for e in dm.events() if e["kind"] == "restart"] == ["replicas", "replicas"]
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        testing.lifecycle(dm).close()
+        _go_on_and_close(dm, pids)
 
 
 # -- the watch's decisions, on scripted answers (no ranks) -------------------------------------------

@@ -39,20 +39,9 @@ DRAIN = """
     from models import Rows, adamw, assert_fit_like_one_process, build
 
     logging.getLogger("raydist").addHandler(logging.StreamHandler(sys.stdout))  # what it saw and did
-    rows = Rows(64)  # 8 steps an epoch, dp x mp2 at 4 ranks
-    loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
-                                      shard_dims="dp", batch_size=8, shuffle=True, seed=3)
-"""
-
-
-def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_failure():
-    """dp x mp2, num_workers=(2, 4) over two nodes, fit with max_failures=0: a notice for one node
-    after step 3; the model moves to 2 ranks on the other with the live state (no step lost, no
-    failure), the node is removed, and every loss and parameter equals one plain process."""
-    out = run_driver(cluster(2) + DRAIN + """
-    try:
-        dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), adamw(), num_workers=(2, 4),
-                               resources_per_rank={"CPU": 1, "rank": 1})
+    def moved_off(dm):
+        # fit(dm) for 2 epochs in a thread, paused after step 3 while the node of a rank gets its
+        # notice; once the model is off the node, the node is removed: the sizes after each step, the losses
         victim = next(n for n in nodes if n.node_id in {s.node_id for s in raydist.status()})
         sizes, noticed, go = [], threading.Event(), threading.Event()
 
@@ -75,7 +64,23 @@ def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_fai
         print(f"off the draining node {DEADLINE_S - (deadline - time.monotonic()):.1f} s after the notice")
         cluster.remove_node(victim)  # what the cloud does at the deadline
         fit.join(240)
-        losses = run["losses"]
+        return sizes, run["losses"]
+
+    rows = Rows(64)  # 8 steps an epoch, dp x mp2 at 4 ranks
+    loader = raydist.shard_dataloader(rows, dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]),
+                                      shard_dims="dp", batch_size=8, shuffle=True, seed=3)
+"""
+
+
+def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_failure():
+    """dp x mp2, num_workers=(2, 4) over two nodes, fit with max_failures=0: a notice for one node
+    after step 3; the model moves to 2 ranks on the other with the live state (no step lost, no
+    failure), the node is removed, and every loss and parameter equals one plain process."""
+    out = run_driver(cluster(2) + DRAIN + """
+    try:
+        dm = raydist.to_static(build("elastic"), loader, paddle.nn.MSELoss(), adamw(), num_workers=(2, 4),
+                               resources_per_rank={"CPU": 1, "rank": 1})
+        sizes, losses = moved_off(dm)
         print("sizes", sizes)
         moved = sizes.index(2)  # at the first step boundary after the notice: the steps in flight first
         assert 3 <= moved < 16 and sizes == [4] * moved + [2] * (16 - moved) and len(losses) == 16, sizes
@@ -137,29 +142,7 @@ def test_a_fixed_size_fit_moves_off_a_draining_node_when_the_others_have_room():
     try:
         dm = raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), adamw(), num_workers=4,
                                resources_per_rank={"CPU": 1, "rank": 1})
-        victim = next(n for n in nodes if n.node_id in {s.node_id for s in raydist.status()})
-        sizes, noticed, go = [], threading.Event(), threading.Event()
-
-        class Notice(paddle.callbacks.Callback):
-            def on_train_batch_end(self, step, logs=None):
-                sizes.append(dm.num_workers)
-                if len(sizes) == 3:
-                    noticed.set()
-                    go.wait(60)
-
-        run = {}
-        fit = threading.Thread(target=lambda: run.update(losses=dm.fit(loader, epochs=2, progress=False,
-                                                                       callbacks=[Notice()])))  # fmt: skip
-        fit.start()
-        noticed.wait(120)
-        deadline = drain(victim)
-        wait_for(lambda: victim.node_id in testing.lifecycle(dm)._drains.draining, deadline)
-        go.set()
-        wait_for(lambda: victim.node_id not in {s.node_id for s in raydist.status()}, deadline)
-        print(f"off the draining node {DEADLINE_S - (deadline - time.monotonic()):.1f} s after the notice")
-        cluster.remove_node(victim)
-        fit.join(240)
-        losses = run["losses"]
+        sizes, losses = moved_off(dm)
         kinds = [(e["kind"], e.get("action") or e.get("why")) for e in dm.events()
                  if e["kind"] in ("drain", "resize", "failure", "restart", "checkpoint")]  # fmt: skip
         assert kinds == [("drain", "move"), ("resize", "drain")], kinds

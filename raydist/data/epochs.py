@@ -29,7 +29,6 @@ class DataLoaderEpochs:
                              "give it a batch_size, or a batch_sampler")  # fmt: skip
         self.shuffle = bool(getattr(sampler, "shuffle", False))
         self.seed = None
-        self.drop_last = bool(getattr(sampler, "drop_last", False))
 
     def __len__(self) -> int:
         return len(self.loader)

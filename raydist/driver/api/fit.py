@@ -167,21 +167,14 @@ def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max
                     run.preempted = False
                     log.warning("raydist: %s; restarting the ranks after the preemption notice", e)
                 else:
-                    failures += 1
-                    if failures > max_failures:
-                        raise
-                    log.warning("raydist: %s; restarting the ranks (failure %d of %d)", e, failures, max_failures)
+                    failures = _counted(e, failures, max_failures, "restarting the ranks")
                 run.keep_completed()
                 while True:
                     try:
                         restored = training.restart()
                         break
                     except RankError as again:  # a node lost while the ranks are placed: one more failure
-                        failures += 1
-                        if failures > max_failures:
-                            raise
-                        log.warning("raydist: the restart failed: %s; restarting again (failure %d of %d)", again,
-                                    failures, max_failures)  # fmt: skip
+                        failures = _counted(again, failures, max_failures, "the restart failed; restarting again")
                 if restored.behind is None:
                     run.rewind(restored.checkpoint)
                 else:
@@ -190,6 +183,15 @@ def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max
             run.finish()
         run.callbacks.on_end("train", run.logs)
     return run.history
+
+
+def _counted(error: RankError, failures: int, max_failures: int, doing: str) -> int:
+    """One more failure: raises ``error`` past ``max_failures``, else says what is done about it."""
+    failures += 1
+    if failures > max_failures:
+        raise error
+    log.warning("raydist: %s; %s (failure %d of %d)", error, doing, failures, max_failures)
+    return failures
 
 
 def _epochs(loader: Any, max_failures: int, resume: bool) -> Any:

@@ -459,9 +459,7 @@ class Lifecycle:
         batches, in order, up to the first that came from a loader; the learning rate then where the
         next step (that one, or the first that did not complete) runs with. How many ran."""
         replayed, mode = 0, self.modes.mode
-        for rate, message in steps:
-            if not isinstance(message, ArraysStep):
-                break
+        for rate, message in steps[:_replayable(steps)]:
             self.rates.go_to(rate)
             self.modes.mode = "train"
             again = self.modes.message(list(message.arrays), self.rates.take_changes)
