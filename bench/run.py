@@ -11,6 +11,7 @@
     python -m bench saves [--models gpt-mp2] [--steps 40] [--every 8] [--repeat 3]
     python -m bench peers [--models gpt-mp2,gpt-pp2] [--steps 40] [--every 1,10,100] [--check 10] [--rounds 3] [--idle-copies 0]
     python -m bench recovery [--models gpt-mp2,gpt-pp2] [--steps 30] [--every 10] [--kill-after 15] [--rounds 2]
+    python -m bench chaos [--minutes 30] [--seed 7] [--cases dp2,mp2,dp2xmp2,pp2,sharding3] [--loops fit,plain] [--faults 8]
     python -m bench attach [--models gpt-mp2] [--steps 12] [--before 6] [--repeat 3]
     python -m bench small [--models mlp-mp2,wide-mp2] [--steps 300] [--repeat 3] [--compiled]
     python -m bench paired [--models mlp-mp2,wide-mp2] [--rounds 10] [--seconds 1] [--record-off]
@@ -41,7 +42,8 @@ alive side by side taking turns in short chunks, ratios within one spell of the 
 step, with and without spare ranks (bench/restart.py); ``resume``, a job killed and run
 again, and ``attach``, a detached model attached by a new driver (bench/outlive.py); ``saves``, a checkpoint's stall
 of the loop (bench/saves.py); ``peers``, peer memory's and the replica check's cost per step, and ``recovery``, a
-lost node's cost with peer memory next to a checkpoint (bench/peers.py). Tables are
+lost node's cost with peer memory next to a checkpoint (bench/peers.py); ``chaos``, a fault soak: faults in
+sequence, each run held to one plain process (bench/chaos.py, tests/chaos.py). Tables are
 printed; with ``--write`` each is also kept in ``bench/results/<command line>.md`` with its date,
 machine, versions and the code's commit, replacing the last table of the same command line.
 BENCHMARKS.md quotes its figures from there.
@@ -63,7 +65,7 @@ from bench.common import DISPATCH, RATE_NOTE, ROOT, machine
 from bench.compare import RUNNERS, models_table
 
 COMMANDS = ("models", "dispatch", "restart", "elastic", "pipeline", "startup", "resume", "attach", "saves", "small",
-            "paired", "profile", "timeline", "peers", "recovery")
+            "paired", "profile", "timeline", "peers", "recovery", "chaos")
 
 
 def _names(known: list[str]) -> Callable[[str], str]:
@@ -155,6 +157,14 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     sub.add_argument("--idle-copies", type=int, default=0,
                      help="then this many copies, each alone on the idle machine: their CPU (medians)")
+    sub = command("chaos", "a fault soak: faults in sequence into fit and a plain loop, held to one process "
+                           "(bench/chaos.py)")
+    sub.add_argument("--minutes", type=float, default=30.0, help="rounds until this much time has passed")
+    sub.add_argument("--seed", type=int, default=7, help="the first round's seed (the next round's is one more)")
+    sub.add_argument("--cases", default="dp2xmp2,mp2,pp2,dp2,sharding3", help="tests/chaos.py's CASES, comma-separated")
+    sub.add_argument("--loops", default="fit,plain", help="fit, plain or both, comma-separated")
+    sub.add_argument("--faults", type=int, default=8, help="faults per round")
+    sub.add_argument("--epochs", type=int, default=None, help="epochs of 24 steps per round (default: 40 steps a fault)")
     sub = command("recovery", "a lost node with peer memory next to a checkpoint, on 3 nodes (bench/peers.py)")
     sub.add_argument("--models", default="gpt-mp2,gpt-pp2", help="comma-separated")
     sub.add_argument("--steps", type=int, default=30, help="steps per run (one epoch)")
@@ -239,6 +249,13 @@ def main(argv=None) -> None:
             table = recovery_table(args.models.split(","), args.steps, args.every, args.kill_after, args.rounds)
         _write(args, argv, table)
         return
+    if args.what == "chaos":  # clusters of its own
+        from bench.chaos import chaos_table
+
+        table, passed = chaos_table(args.minutes, args.seed, args.cases.split(","), args.loops.split(","),
+                                    args.faults, args.epochs)  # fmt: skip
+        _write(args, argv, table)
+        sys.exit(0 if passed else 1)
     if args.what == "elastic":  # clusters of its own
         from bench.elastic import elastic_table
 
@@ -332,6 +349,8 @@ def _write(args, argv, table: str) -> None:
              else f"{args.steps} timed steps per run, {args.rounds} interleaved rounds, medians" if args.what == "peers"
              else f"{args.steps} steps per run, {args.rounds} run(s) of each, interleaved, medians"
              if args.what == "recovery"
+             else f"rounds for {args.minutes:g} minutes from seed {args.seed}, {args.faults} faults per round"
+             if args.what == "chaos"
              else f"{args.rounds} rounds of chunks of about {args.seconds:g} s, medians"
              if args.what == "paired"
              else f"{args.steps} timed steps after {args.warmup} warm-up steps"

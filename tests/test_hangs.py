@@ -185,6 +185,19 @@ def test_a_silent_rank_is_named_once_silent_for_the_limit(quick):
     assert clock() == pytest.approx(0.35)  # silent since the start, past the limit at the first look after it
 
 
+def test_a_silent_rank_is_named_after_step_timeout_s_without_the_grace_a_rank_in_a_step_gets(quick, monkeypatch):
+    """A stopped process reports no timeout of its own: the grace that lets a rank's loader timeout be
+    the one reported does not apply to it (a hang is found within step_timeout_s + 5 s)."""
+    monkeypatch.setattr(watch_module, "REPORT_GRACE_S", 0.5)
+    answers = ([Progress(4, 0.01), watch_module.NO_ANSWER] for _ in range(10_000))
+    make, clock = quick
+    group, watch = make(answers)
+    assert watch.limit == pytest.approx(0.8) and watch.silence == pytest.approx(0.3)
+    with pytest.raises(raydist.RankError):
+        watch.wait(_slow_get(clock, 60), "step 4")
+    assert group.failed[0] == [1] and clock() == pytest.approx(0.35)
+
+
 def test_no_limit_waits_without_looking():
     watch = watch_module.Watch(_Group([]), None)
     assert watch.wait(lambda timeout: timeout, "step 0") is None

@@ -56,22 +56,32 @@ def test_the_driver_keeps_the_train_steps_since_a_copy_and_their_rates():
 def test_a_keeper_keeps_the_complete_copy_and_the_newest():
     keeper = ray.remote(Keeper).remote()
 
-    def copy(generation, rank, index, keep_from, value):
-        ray.get(keeper.keep.remote(generation, rank, index, keep_from, [ray.put({"w": np.full(3, value)})]))
+    def copy(generation, rank, index, keep, value):
+        ray.get(keeper.keep.remote(generation, rank, index, keep, [ray.put({"w": np.full(3, value)})]))
 
     copy(1, 0, 0, None, 0.0)
-    copy(1, 0, 2, 0, 2.0)
-    copy(1, 1, 2, 0, 2.0)
+    copy(1, 0, 2, [0], 2.0)
+    copy(1, 1, 2, [0], 2.0)
     assert ray.get(keeper.held.remote()) == [(1, 0, 0), (1, 0, 2), (1, 1, 2)]
-    copy(1, 0, 4, 2, 4.0)  # index 2 is complete everywhere: rank 0's 0 goes
+    copy(1, 0, 4, [2], 4.0)  # index 2 is complete everywhere: rank 0's 0 goes
     assert ray.get(keeper.held.remote()) == [(1, 0, 2), (1, 0, 4), (1, 1, 2)]
     copy(2, 0, 4, None, 4.5)  # a new group's first copy lets nothing go
     assert len(ray.get(keeper.held.remote())) == 4
-    copy(2, 0, 6, 4, 6.0)  # ... its second does: generation 1 is older than a complete copy
+    copy(2, 0, 6, [4], 6.0)  # ... its second does: generation 1 is older than a complete copy
     assert ray.get(keeper.held.remote()) == [(2, 0, 4), (2, 0, 6)]
     [state] = ray.get(keeper.take.remote([(2, 0, 6)]))
     assert state["w"].tolist() == [6.0] * 3
     ray.kill(keeper)
+
+
+def test_with_replica_checks_the_copies_at_or_before_the_last_three_checks_are_kept():
+    from raydist.worker.mirror import kept
+
+    assert kept({8, 10, 12}, None) == {12}
+    # checks every 3: the last three at or before 12 are 12, 9 and 6; the copies made every 2
+    assert kept({2, 4, 6, 8, 10, 12}, 3) == {12, 8, 6}
+    assert kept({4, 5}, 3) == {5}  # no copy at or before a check: only the newest
+    assert kept({10, 20, 30}, 10) == {30, 20, 10}
 
 
 def test_peer_memory_is_refused_when_not_a_positive_int():
@@ -160,6 +170,37 @@ def test_before_the_first_copy_a_restart_replays_from_the_builders_state():
         event, params = _kill_and_go_on(dm, data, ref, kill_after=3, rank=0, in_flight=1)
     assert event["source"] in ("peer_memory", "start") and event["replayed"] == 3, event
     assert_params_equal(params, ref.params())
+
+
+def test_after_a_load_a_restart_never_takes_a_copy_of_the_state_before_it(tmp_path):
+    """mp2, peer_memory=2: a model trains 2 steps (a copy after 2), then loads a checkpoint another
+    model saved after 5 steps, trains one more, and loses a rank. The copy after 2 is of the state
+    before the load: the restart goes on from the loaded state's own copy (taken at the load) and
+    replays the step since; the run is one process's 5 + 1 steps."""
+    data, ref = batches(8, seed=5), Reference(adamw())
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2) as other:
+        for x, y in data[:5]:
+            assert_close(other(x, y), ref.train(x, y))
+        other.save(str(tmp_path / "five"))
+    with raydist.to_static(build("mp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=2,
+                           peer_memory=2) as dm:  # fmt: skip
+        for x, y in data[6:8]:
+            dm(x, y)
+        _kept(dm, 2)
+        dm.load(str(tmp_path / "five"))
+        _kept(dm, 2)  # the loaded state's copy: the one before went with its timeline
+        assert_close(dm(*data[5]), ref.train(*data[5]))
+        pids = [r.pid for r in dm.ranks]
+        os.kill(pids[1], signal.SIGKILL)
+        wait_gone([pids[1]])
+        with pytest.raises(raydist.RankError):
+            float(dm(*data[6]))
+        wait_gone(pids)
+        dm.restart()
+        [restart] = [e for e in dm.events() if e["kind"] == "restart"]
+        assert restart["source"] in ("peer_memory", "checkpoint"), restart
+        assert_close(dm(*data[6]), ref.train(*data[6]))
+        assert_params_equal(dm.state_dict("param"), ref.params())
 
 
 # -- lost nodes: real raylets (ray.cluster_utils.Cluster), a driver of its own ---------------

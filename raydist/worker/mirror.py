@@ -11,9 +11,11 @@ a node's loss still has it when its keeper went with the node.
 Which copy is complete everywhere: a rank waits for its copy of ``s`` to be kept
 before it starts step ``s + every - 1`` (before that step's collectives); so once
 any rank has run that step, every rank has kept ``s``, and with its copy of
-``s + every`` a rank lets its keeper drop what is older than ``s``. A keeper holds
-at most two copies per rank: the newest complete everywhere and the one being
-written.
+``s + every`` a rank lets its keeper drop what is older than ``s`` (`kept`). A keeper
+holds two copies per rank: the newest complete everywhere and the one being written;
+with replica checks (``check_every``), also the newest at or before each of the last
+three checks, since a mismatch goes back to the last check that passed, which a
+mismatch raised within two checks of the corruption leaves at most three checks back.
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ class Mirror:
         copy = state()
         # this group's copy before is complete everywhere (every rank ran past its wait); the
         # group's first copy lets nothing go: an earlier group's may be the only complete one
-        keep_from = max(self.local) if self.local else None
-        self.local = {i: c for i, c in self.local.items() if keep_from is not None and i >= keep_from}
+        keep = sorted(kept(self.local, self.plan.check_every)) if self.local else None
+        self.local = {i: c for i, c in self.local.items() if keep is not None and i in keep}
         self.local[index] = copy
-        self._pending = (index, self._thread.submit(self._hand_over, index, copy, keep_from))
+        self._pending = (index, self._thread.submit(self._hand_over, index, copy, keep))
 
-    def _hand_over(self, index: int, copy: Any, keep_from: int | None) -> None:
+    def _hand_over(self, index: int, copy: Any, keep: list[int] | None) -> None:
         plan = self.plan
-        ray.get(plan.keeper.keep.remote(plan.generation, self.rank, index, keep_from, [ray.put(copy)]))
+        ray.get(plan.keeper.keep.remote(plan.generation, self.rank, index, keep, [ray.put(copy)]))
 
     def copies(self) -> dict[int, Any]:
         """This rank's own copies, by index (to a driver after a peer died: the keeper may be gone)."""
@@ -75,3 +77,19 @@ class Mirror:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def kept(indices: Any, check_every: int | None) -> set[int]:
+    """Of a rank's copies after ``indices`` train steps (the newest complete everywhere), the ones to
+    keep: the newest, and with replica checks every ``check_every`` steps the newest at or before
+    each of the last three checks (the last clean check, where a mismatch goes back to, is one of
+    them: the mismatch is raised within two checks of the corruption)."""
+    newest = max(indices)
+    keep = {newest}
+    if check_every:
+        last = newest // check_every * check_every
+        for check in (last, last - check_every, last - 2 * check_every):
+            before = [i for i in indices if i <= check]
+            if before:
+                keep.add(max(before))
+    return keep

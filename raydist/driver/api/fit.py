@@ -17,7 +17,7 @@ Steps run ahead of the loop (``max_in_flight``): a step's ``on_train_batch_end``
 comes once its loss is known, without waiting for the steps after it. A
 schedule step is sent with the next step, so the next step uses it, as in one
 process. An elastic model grows at the first step boundary after room for a
-larger size shows (`raydist.driver.lifecycle.lifecycle.RoomWatch`). The loop is a client
+larger size shows (`raydist.driver.lifecycle.moves.RoomWatch`). The loop is a client
 of the model's public methods (calls, ``evaluate``, ``save``, ``lr_scheduler``) and of
 `Training`: the few things a loop needs that a user does not (the run's events and
 metrics, a restart after a failure, the step boundary, the learning rate), which the
@@ -44,7 +44,7 @@ from . import resume as runs
 
 if TYPE_CHECKING:
     from ...data import ShardDataloader
-    from ..lifecycle.lifecycle import Restored
+    from ..lifecycle.restart import Restored
     from ..model.rates import LearningRate
     from ..watching.events import Events
     from ..watching.metrics import RunMetrics
@@ -78,6 +78,9 @@ class Training(Protocol):
 
     def state_meta(self, mode: str) -> dict:
         """The model state's names, shapes and dtypes (``mode``: "param", "opt" or "all")."""
+
+    def trained(self) -> int:
+        """The train steps sent to the model over its life (its state is after them once they complete)."""
 
     def wait_saved(self) -> None:
         """Wait until the checkpoint being written in the background is complete."""
@@ -156,6 +159,7 @@ def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max
         run.callbacks.on_begin("train", {})
         if found is not None:
             run.go_on_from(found)
+        run.base = training.trained() - len(run.history)  # the model's count of train steps before this run's first
         while True:
             try:
                 run.go()
@@ -178,7 +182,7 @@ def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max
                 if restored.behind is None:
                     run.rewind(restored.checkpoint)
                 else:
-                    run.go_back(restored.behind)
+                    run.go_back(restored.trained - run.base)
         if checkpoint_dir:
             run.finish()
         run.callbacks.on_end("train", run.logs)
@@ -281,6 +285,7 @@ class _Run:
         self.user_callbacks: list[Any] = []
         self.pace: Pace = Pace(loader.batch_size)
         self.saving: str | None = None  # the last checkpoint this run began to save
+        self.base = 0  # the model's train steps before this run's first (its history counts from there)
 
     def go_on_from(self, found: "runs.CheckpointInfo") -> None:
         """Where a checkpoint of this run left it (the model was loaded from it)."""
@@ -405,17 +410,21 @@ class _Run:
                               {"checkpoint": f"step-{done:08d}", "steps": done})  # fmt: skip
 
     def keep_completed(self) -> None:
-        """After a failure: the losses of the steps that completed before it."""
-        try:
-            self._collect(self.pending, wait=False)
-        except RankError:
-            pass
+        """After a failure: the losses of the steps that completed before it, every one of them (a
+        callback that calls the failed ranks raises here: the next loss is kept all the same)."""
+        while self.pending and self.pending[0].loss.done:
+            try:
+                self._collect(self.pending, wait=False)
+            except RankError as e:
+                log.debug("raydist: after the failure, a step's loss or callback raised: %s", e)
         self.pending.clear()
 
-    def go_back(self, behind: int) -> None:
-        """On from ``behind`` steps before the last completed one (the restart restored the survivors'
-        state, which is after it, or peer memory's, ``behind`` steps before it)."""
-        done = len(self.history) - behind
+    def go_back(self, done: int) -> None:
+        """On from this run's step ``done``, where the state the restart restored stands (the survivors',
+        after the last completed step; peer memory's, before it: the steps since are fed again)."""
+        if done > len(self.history):  # a completed step whose loss the history lacks: it cannot go on truly
+            raise RuntimeError(f"raydist: the restart's state is after step {done} of this run, whose history holds "
+                               f"{len(self.history)} steps (a bug: please report it)")  # fmt: skip
         del self.history[done:]
         self.position = divmod(done, len(self.loader))
         self.bar.n = done

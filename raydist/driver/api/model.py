@@ -411,6 +411,7 @@ class DistModel:
         train program is built) is restored when it is built.
         """
         self._state.load(path, self._modes.built("train"), self._life.trained())
+        self._life.loaded()
 
     def fit(
         self,

@@ -25,23 +25,26 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# A rank gets this much longer than step_timeout_s, so that its own timeout (a step that
-# waits step_timeout_s for its loader batch) is what gets reported.
+# A rank in one step gets this much longer than step_timeout_s, so that its own timeout (a step
+# that waits step_timeout_s for its loader batch) is what gets reported. A silent rank (a stopped
+# process, a host cut off) reports nothing of its own: it is named after step_timeout_s.
 REPORT_GRACE_S = 5.0
 # How long a rank has to answer a ping before it counts as silent this time.
 PING_S = 2.0
-# The driver looks at the ranks every quarter of the limit, within these bounds.
-LOOK_MIN_S, LOOK_MAX_S = 0.5, 5.0
+# The driver looks at the ranks every quarter of the limit, within these bounds: a silent rank is
+# named within step_timeout_s + LOOK_MAX_S + PING_S of its last answer.
+LOOK_MIN_S, LOOK_MAX_S = 0.5, 2.5
 
 
 class Watch:
-    """The limit on a step of ``group``'s ranks (``step_timeout`` + `REPORT_GRACE_S`; None: none).
-    ``clock``: seconds, monotonic (tests give a fake one)."""
+    """The limit on a step of ``group``'s ranks (``step_timeout`` + `REPORT_GRACE_S`; None: none), and
+    on a rank's silence (``step_timeout``). ``clock``: seconds, monotonic (tests give a fake one)."""
 
     def __init__(self, group: "RankGroup", step_timeout: float | None, clock: Callable[[], float] = time.monotonic):
         self.group = group
         self._clock = clock
         self.limit = None if step_timeout is None else step_timeout + REPORT_GRACE_S
+        self.silence = step_timeout
         self.every = None if self.limit is None else min(max(self.limit / 4, LOOK_MIN_S), LOOK_MAX_S)
 
     def wait(self, get: Callable[[float | None], T], during: str) -> T:
@@ -69,11 +72,11 @@ class Watch:
                     longest = max(longest, answer.for_s)
                     if answer.for_s > self.limit:
                         hung.append(rank)
-            gone = [r for r in silent if self._clock() - heard.get(r, began) > self.limit]
+            gone = [r for r in silent if self._clock() - heard.get(r, began) > self.silence]
             if gone or (hung and silent):
                 raise self.group.timed_out(
                     silent, during,
-                    f"no answer from ranks {silent} for {self.limit:.0f} s or more (a stopped process, or a host cut "
+                    f"no answer from ranks {silent} for {self.silence:g} s or more (a stopped process, or a host cut "
                     "off from the others)" + (f"; ranks {hung} wait in one step for {longest:.0f} s" if hung else ""),
                 )  # fmt: skip
             if hung:

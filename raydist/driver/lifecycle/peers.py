@@ -47,13 +47,14 @@ class Keeper:
     def __init__(self) -> None:
         self._held: dict[tuple[int, int, int], Any] = {}
 
-    def keep(self, generation: int, rank: int, index: int, keep_from: int | None, ref: list) -> None:
-        """Keep the copy ``ref[0]`` (the rank's object: in a list, so it arrives unread);
-        ``keep_from``: this generation's index that every rank holds, older ones go."""
+    def keep(self, generation: int, rank: int, index: int, keep: list[int] | None, ref: list) -> None:
+        """Keep the copy ``ref[0]`` (the rank's object: in a list, so it arrives unread); ``keep``:
+        the indices of this rank's copies of this generation to keep beside it (`raydist.worker.mirror.kept`:
+        one of them every rank holds), the others and older generations' go; None: let nothing go."""
         self._held[(generation, rank, index)] = ray.get(ref[0])  # numpy arrays: views of the store
-        if keep_from is not None:
+        if keep is not None:
             for key in [k for k in self._held if k[0] < generation or (k[0] == generation and k[1] == rank
-                                                                        and k[2] < keep_from)]:  # fmt: skip
+                                                                        and k[2] != index and k[2] not in keep)]:  # fmt: skip
                 del self._held[key]
 
     def forget(self, before: int) -> None:

@@ -47,6 +47,7 @@ class Recovery:
         # (train-step index over the model's life, step number, rate, message)
         self._sent: collections.deque = collections.deque(maxlen=max(keep, 1))
         self._salvaged: tuple[dict, Any, int] | None = None
+        self.unsalvaged = "no rank died (a step failed, or hung)"  # why there is no salvaged state
 
     def sent(self, number: int, rate: Any, message: Any = None) -> None:
         """Train step ``number`` was sent, to run with learning rate ``rate`` (`LearningRate.position`);
@@ -81,13 +82,15 @@ class Recovery:
         step not done; ``rate_now``: the learning rate the next step would run with."""
         found = live_state(group.actors, names)
         if isinstance(found, str):
-            log.warning("raydist: %s: a restart goes back to the last checkpoint", found)
+            self.unsalvaged = found
+            log.warning("raydist: the surviving ranks cannot serve a restart: %s", found)
             return
         trained, state = found
         unfinished = [i - self.base for i, number, _, _ in self._sent if failing is not None and number >= failing]
         if trained != self.trained - len(unfinished):
-            log.warning("raydist: the surviving ranks are after %d train steps, the driver saw %d complete: a "
-                        "restart goes back to the last checkpoint", trained, self.trained - len(unfinished))
+            self.unsalvaged = (f"the surviving ranks are after {trained} train steps, the driver saw "
+                               f"{self.trained - len(unfinished)} complete")  # fmt: skip
+            log.warning("raydist: %s", self.unsalvaged)
             return
         rate = rate_now if not unfinished else next(r for i, _, r, _ in self._sent if i - self.base == trained)
         self._salvaged = (state, rate, trained)

@@ -12,7 +12,8 @@ step sent gets) and ``model`` (its name), and what belongs to its kind:
   the completed steps the loop must feed again: 0 when the state is where the failed
   group stood, None after a checkpoint or the start, which ``replayed`` counts), ``seconds`` (the
   restart's time), ``state_s`` (of it: finding the state and putting it in the new
-  group), ``replay_s`` (of it: the replay);
+  group), ``replay_s`` (of it: the replay), ``trained`` (the train steps, over the model's
+  life, its state is after once the replay ran: a loop of its own goes on from there);
 - ``replica_mismatch``: ``ranks``, ``names`` (the tensors whose replicas differ), ``after``
   (the train steps when the codes were taken);
 - ``resize``: ``from``, ``to``, ``why`` ("grow" or "drain");
