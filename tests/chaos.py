@@ -267,23 +267,31 @@ def _plain_loop(dm, batches: list, ck: str, tick) -> list[float]:
         dm.load(saved[-1])
         i = resumed = int(saved[-1].rsplit("-", 1)[1])
         losses = json.loads(Path(ck, f"history-{i}.json").read_text())
+    def restarted() -> int:
+        """After a failure: the step the state stands at (the model counts train steps from this
+        driver's start), once ``restart()`` brought it back."""
+        dm.restart()
+        restart = [e for e in dm.events() if e["kind"] == "restart"][-1]
+        return resumed + restart["trained"] if restart["source"] != "start" else 0
+
     while i < len(batches):
         try:
             loss = float(dm(*batches[i]))
         except raydist.RankError:
-            dm.restart()
-            restart = [e for e in dm.events() if e["kind"] == "restart"][-1]
-            # on from where the state stands: the model counts train steps from this driver's start
-            i = resumed + restart["trained"] if restart["source"] != "start" else 0
-            losses = losses[:i]
+            i = restarted()
+            del losses[i:]
             continue
         losses.append(loss)
         i += 1
-        if i % CHECKPOINT_EVERY == 0 and i < len(batches):
-            path = f"{ck}/step-{i:08d}"
-            if not os.path.exists(path):  # the same step again after a restart that went back: saved already
+        path = f"{ck}/step-{i:08d}"
+        if i % CHECKPOINT_EVERY == 0 and i < len(batches) and not os.path.exists(path):  # (not again, after
+            try:                                                                             # going back)
                 dm.save(path)
-            Path(ck, f"history-{i}.json").write_text(json.dumps(losses))
+                Path(ck, f"history-{i}.json").write_text(json.dumps(losses))
+            except raydist.RankError:
+                i = restarted()
+                del losses[i:]
+                continue
         tick(i, resumed)
     return losses
 

@@ -74,6 +74,21 @@ def test_a_keeper_keeps_the_complete_copy_and_the_newest():
     ray.kill(keeper)
 
 
+def test_a_keeper_gone_with_its_node_does_not_fail_the_ranks_step_and_the_copy_stays_the_ranks():
+    """Seen in the fault soak: after a move off a draining node, a keeper there died with it, and the
+    rank's next step raised ActorDiedError from its copy's hand-over."""
+    from raydist.messages import MirrorPlan
+    from raydist.worker.mirror import Mirror
+
+    keeper = ray.remote(Keeper).remote()
+    ray.kill(keeper)
+    mirror = Mirror(0, MirrorPlan(2, 1, 0, keeper), trained=0)
+    mirror.after_step(2, lambda: {"w": np.ones(2)})
+    mirror.before_step(3)  # waits for the hand-over, which failed: no error
+    assert list(mirror.copies()) == [2]
+    mirror.close()
+
+
 def test_with_replica_checks_the_copies_at_or_before_the_last_three_checks_are_kept():
     from raydist.worker.mirror import kept
 

@@ -86,6 +86,53 @@ def test_fit_saves_a_step_once_and_a_notices_save_waits_for_the_schedules(tmp_pa
     assert len(saving.saved) == 2  # the new timeline's own
 
 
+def test_after_a_failure_fit_keeps_every_completed_loss_though_a_callback_calls_the_failed_ranks(tmp_path):
+    """A callback that asks the ranks (``dm.ranks``) raises `RankError` once the group failed: the
+    losses of the steps that completed still go into the history, and fit goes back by the model's
+    count of train steps, not by the history's length."""
+    import collections
+
+    from raydist.errors import RankError
+
+    class Done:
+        done = True
+
+        def __init__(self, value):
+            self.value = value
+
+        def __float__(self):
+            return self.value
+
+    class Calls:
+        def on_batch_end(self, mode, step, logs):
+            raise RankError(1, "process died", died=True, during="status")
+
+    class Bar:
+        n = 0
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix(self, **kw):
+            pass
+
+        def refresh(self):
+            pass
+
+    saving = _Saving()
+    saving.metrics = type("Metrics", (), {"read": lambda self, loss, lr: None})()
+    loader = type("Loader", (), {"batch_size": 8, "__len__": lambda self: 10})()
+    run = fits._Run(saving, saving, loader, 1, 10, None, str(tmp_path), None, None)
+    run.callbacks, run.bar, run.history = Calls(), Bar(), [0.0, 1.0]
+    run.pending = collections.deque(fits._Sent(Done(float(i)), 0, i, 0.1) for i in range(2, 7))
+    run.keep_completed()
+    assert run.history == [float(i) for i in range(7)] and not run.pending
+    run.go_back(4)  # peer memory's state after this run's step 4 (fit: the restart's count less the run's base)
+    assert run.history == [0.0, 1.0, 2.0, 3.0] and run.position == (0, 4)
+    with pytest.raises(RuntimeError, match="a bug"):
+        run.go_back(9)
+
+
 # -- the recovery machine: its sources and the phases of a restart, against fakes --------------------
 
 import numpy as np  # noqa: E402
@@ -113,6 +160,17 @@ def _failure(books: Recovery, completed: int | None = None, salvaged=None, bound
     done = books.base + books.trained if completed is None else completed
     return Failure(books, salvaged, first_step=books.trained, done=done - books.base, completed=done,
                    bound=done if bound is None else bound, rate="resume-rate", unsalvaged="a test said so")
+
+
+def test_a_new_group_keeps_the_books_of_the_steps_before_its_base_and_not_after():
+    """A resize or a restart goes on with the steps since the copies made before it (a copy from
+    before a move off a draining node still serves); steps after the new base are of a timeline left."""
+    old = _books(9)
+    new = Recovery(keep=100, base=6, carried=old.before(6))
+    for i in range(3):
+        new.sent(100 + i, rate=f"again {i}", message=ArraysStep([]))
+    assert [r for r, _ in new.since(2, 9)] == [2, 3, 4, 5, "again 0", "again 1", "again 2"]
+    assert new.completed(done=101) == 7 and new.number(6) == 100 and new.number(5) == 5
 
 
 class FakePeers:

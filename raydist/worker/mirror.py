@@ -21,11 +21,14 @@ mismatch raised within two checks of the corruption leaves at most three checks 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from typing import Any
 
 import ray
 
 from ..messages import MirrorPlan
+
+log = logging.getLogger("raydist")
 
 
 class Mirror:
@@ -69,7 +72,11 @@ class Mirror:
 
     def _hand_over(self, index: int, copy: Any, keep: list[int] | None) -> None:
         plan = self.plan
-        ray.get(plan.keeper.keep.remote(plan.generation, self.rank, index, keep, [ray.put(copy)]))
+        try:
+            ray.get(plan.keeper.keep.remote(plan.generation, self.rank, index, keep, [ray.put(copy)]))
+        except ray.exceptions.RayError as e:  # its node is gone: the copy stays this rank's own; training goes on
+            log.warning("raydist: rank %d: the keeper of its copy after %d train steps is gone (%s); the copy is "
+                        "kept here only", self.rank, index, type(e).__name__)  # fmt: skip
 
     def copies(self) -> dict[int, Any]:
         """This rank's own copies, by index (to a driver after a peer died: the keeper may be gone)."""

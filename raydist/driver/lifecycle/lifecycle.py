@@ -151,7 +151,9 @@ class Lifecycle(Restarting, Moves, Adoption):
         # with replica checks since the copy at or before the check three back (`raydist.worker.mirror.kept`)
         checks = 3 * (self.config.check_replicas or 0) if self.peer_memory else 0
         keep = (d.max_in_flight + 1) * client.window.most + 2 + 2 * (self.peer_memory or 0) + checks
-        self.recovery = Recovery(keep, base)  # the one before stays with a restart that still needs it
+        # the one before stays with a restart that still needs it; the steps kept before ``base`` go on (a
+        # copy before a resize or a restart is still served, with the steps since it)
+        self.recovery = Recovery(keep, base, carried=self.recovery.before(base))
         return client
 
     def _mirror(self, base: int, forget: bool = True) -> None:
@@ -163,7 +165,9 @@ class Lifecycle(Restarting, Moves, Adoption):
         if self.peer_memory:
             if self.peers is None:
                 self.peers = PeerMemory(self.peer_memory, group.prefix, self.config.detached)
-            self.peers.attach(group, base, copy_now=self.modes.built("train"), forget=forget, check_every=check)
+            draining = self._drains.draining if self._drains is not None else {}
+            self.peers.attach(group, base, copy_now=self.modes.built("train"), forget=forget, check_every=check,
+                              avoid=set(draining))  # fmt: skip
         elif check:
             plan = MirrorPlan(None, 0, base, check_every=check)
             group.gather([a.mirror.remote(plan) for a in group.actors], "the replica check")

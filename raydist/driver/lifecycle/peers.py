@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import ray
@@ -95,12 +95,13 @@ class PeerMemory:
         self.local: dict[tuple[int, int, int], Any] = {}  # survivors' own copies, taken after a death
 
     def attach(self, group: RankGroup, base: int, copy_now: bool = False, forget: bool = False,
-               check_every: int | None = None) -> None:
+               check_every: int | None = None, avoid: Collection[str] = ()) -> None:
         """``group`` (its state after ``base`` train steps) copies its state every ``every`` train
         steps; ``copy_now``: and now. ``forget``: the copies before are of another count of steps
-        (the state came from a checkpoint, or another driver): let them go."""
+        (the state came from a checkpoint, or another driver): let them go. ``avoid``: nodes that
+        keep no copies (draining: they go soon)."""
         self.generation = max(self.generation + 1, time.time_ns())  # above any earlier driver's
-        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in avoid]
         targets = keeper_nodes([p.node_id for p in group.places], alive)
         plans = [MirrorPlan(self.every, self.generation, base, self._keeper(node), check_every) for node in targets]
         if forget:

@@ -35,17 +35,18 @@ LIVE_STATE_WAIT_S = 3.0
 class Recovery:
     """The train steps sent to the live group, and the survivors' state once a rank of it died."""
 
-    def __init__(self, keep: int = 1, base: int = 0) -> None:
-        self.started(keep, base)
+    def __init__(self, keep: int = 1, base: int = 0, carried: list | None = None) -> None:
+        self.started(keep, base, carried)
 
-    def started(self, keep: int, base: int = 0) -> None:
+    def started(self, keep: int, base: int = 0, carried: list | None = None) -> None:
         """A new group: no train step sent to it yet. ``keep``: how many of the latest to remember
         (more than can be in flight, and with peer memory the steps since the last copies);
-        ``base``: the train steps the model's state is after (the model's count goes on from it)."""
+        ``base``: the train steps the model's state is after (the model's count goes on from it);
+        ``carried``: the books of the steps before ``base`` that the group before kept (`before`)."""
         self.base = base
         self.trained = 0  # train steps sent to this group
         # (train-step index over the model's life, step number, rate, message)
-        self._sent: collections.deque = collections.deque(maxlen=max(keep, 1))
+        self._sent: collections.deque = collections.deque(carried or (), maxlen=max(keep, 1))
         self._salvaged: tuple[dict, Any, int] | None = None
         self.unsalvaged = "no rank died (a step failed, or hung)"  # why there is no salvaged state
 
@@ -59,6 +60,11 @@ class Recovery:
         """The train steps the model completed (over its life), ``done``: the number of the first
         step of any mode that did not complete."""
         return self.base + self.trained - sum(1 for _, number, _, _ in self._sent if number >= done)
+
+    def before(self, index: int) -> list:
+        """The books of the train steps kept from before ``index`` (for the next group: the copies
+        made before it stay servable with the steps since; later ones are of a timeline left)."""
+        return [entry for entry in self._sent if entry[0] < index]
 
     def number(self, index: int) -> int | None:
         """The step number of train step ``index`` (over the model's life; None: not kept, or not sent)."""
