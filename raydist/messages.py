@@ -238,3 +238,4 @@ class MirrorPlan:
     base: int  # the model's train steps so far (its state is after them): the rank's count goes on from it
     keeper: Any = None  # the handle of the keeper on another node
     check_every: int | None = None  # train steps between two replica checks (None: none)
+    in_flight: int = 1  # messages the driver may have in flight: what it saw complete may be that far behind

@@ -157,7 +157,8 @@ def flip_when_asked():
         array.reshape(-1).view(np.uint32)[0] ^= 1 << 12
         tensors[name].set(array, paddle.CPUPlace())
         done = Path(os.environ["CHAOS_DIR"]) / f"flipped-{self.rank}"
-        done.write_text(json.dumps({"trained": model.trained, "name": name}))
+        index = model.trained + getattr(model.mirror, "_offset", 0)  # the model's count (peer memory's)
+        done.write_text(json.dumps({"trained": index, "name": name}))
         return results
 
     run_then_flip.__dict__.update(run.__dict__)  # its concurrency group
@@ -270,7 +271,12 @@ def _plain_loop(dm, batches: list, ck: str, tick) -> list[float]:
     def restarted() -> int:
         """After a failure: the step the state stands at (the model counts train steps from this
         driver's start), once ``restart()`` brought it back."""
-        dm.restart()
+        while True:
+            try:
+                dm.restart()
+                break
+            except raydist.RankError:  # a node lost while the ranks are placed: try again, from the same
+                continue
         restart = [e for e in dm.events() if e["kind"] == "restart"][-1]
         return resumed + restart["trained"] if restart["source"] != "start" else 0
 
@@ -591,6 +597,8 @@ def problems(result: Round) -> list[str]:
             continue
         if f.kind in NO_DISK and any(s in ("checkpoint", "start") for s in f.sources):
             found.append(f"{what}: restarted from {f.sources} while survivors or peer memory held the state")
+        elif "start" in f.sources and f.trained > CHECKPOINT_EVERY:
+            found.append(f"{what}: restarted from the start after {f.trained} train steps (a checkpoint and copies existed)")
         if f.kind == "hang" and (f.found_s is None or f.found_s > STEP_TIMEOUT_S + 5):
             found.append(f"{what}: found after {f.found_s} s (step_timeout_s={STEP_TIMEOUT_S:g})")
         if f.kind == "flip" and (f.found_after is None or f.found_after > 2 * CHECK_REPLICAS):

@@ -16,10 +16,15 @@ holds two copies per rank: the newest complete everywhere and the one being writ
 with replica checks (``check_every``), also the newest at or before each of the last
 three checks, since a mismatch goes back to the last check that passed, which a
 mismatch raised within two checks of the corruption leaves at most three checks back.
+And the newest at or before the start of the oldest message the driver may still have
+in flight (``in_flight``): a message's steps complete, for the driver, only with its
+answer, so after a death in a message of many steps the driver trusts no copy made
+inside it (seen in the fault soak: every copy kept was newer than what it saw complete).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 from typing import Any
@@ -38,8 +43,14 @@ class Mirror:
         self.rank, self.plan = rank, plan
         self._offset = plan.base - trained  # the rank's train steps (since its build) -> the model's index
         self.local: dict[int, Any] = {}  # index -> this rank's own copy
+        # where the last ``in_flight`` messages began (the model's train-step index)
+        self._began: collections.deque[int] = collections.deque(maxlen=max(plan.in_flight, 1))
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydist-mirror")
+
+    def message_began(self, trained: int) -> None:
+        """A message of train steps begins, the rank after ``trained`` train steps (since its build)."""
+        self._began.append(self._offset + trained)
 
     def before_step(self, trained: int) -> None:
         """Before the rank's train step ``trained`` (since its build): wait for the last copy to be kept when this
@@ -65,7 +76,8 @@ class Mirror:
         copy = state()
         # this group's copy before is complete everywhere (every rank ran past its wait); the
         # group's first copy lets nothing go: an earlier group's may be the only complete one
-        keep = sorted(kept(self.local, self.plan.check_every)) if self.local else None
+        floor = self._began[0] if self._began else None
+        keep = sorted(kept(self.local, self.plan.check_every, floor)) if self.local else None
         self.local = {i: c for i, c in self.local.items() if keep is not None and i in keep}
         self.local[index] = copy
         self._pending = (index, self._thread.submit(self._hand_over, index, copy, keep))
@@ -86,17 +98,20 @@ class Mirror:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-def kept(indices: Any, check_every: int | None) -> set[int]:
+def kept(indices: Any, check_every: int | None, floor: int | None = None) -> set[int]:
     """Of a rank's copies after ``indices`` train steps (the newest complete everywhere), the ones to
-    keep: the newest, and with replica checks every ``check_every`` steps the newest at or before
+    keep: the newest; with replica checks every ``check_every`` steps, the newest at or before
     each of the last three checks (the last clean check, where a mismatch goes back to, is one of
-    them: the mismatch is raised within two checks of the corruption)."""
+    them: the mismatch is raised within two checks of the corruption); and the newest at or
+    before ``floor`` (where the oldest message the driver may not have seen complete began)."""
     newest = max(indices)
     keep = {newest}
+    points = [floor] if floor is not None else []
     if check_every:
         last = newest // check_every * check_every
-        for check in (last, last - check_every, last - 2 * check_every):
-            before = [i for i in indices if i <= check]
-            if before:
-                keep.add(max(before))
+        points += [last, last - check_every, last - 2 * check_every]
+    for point in points:
+        before = [i for i in indices if i <= point]
+        if before:
+            keep.add(max(before))
     return keep

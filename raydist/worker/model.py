@@ -128,6 +128,8 @@ class ModelService:
         fails says which it was (its number), so the driver names it."""
         results = []
         log, clock, mode = self.log, time.monotonic_ns, self.runner.mode  # a message's steps share a mode
+        if mode == "train" and self.mirror is not None:
+            self.mirror.message_began(self.trained)
         try:
             for number, message in enumerate(parcel.steps, parcel.first):
                 asked = clock()

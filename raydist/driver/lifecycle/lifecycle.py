@@ -167,7 +167,7 @@ class Lifecycle(Restarting, Moves, Adoption):
                 self.peers = PeerMemory(self.peer_memory, group.prefix, self.config.detached)
             draining = self._drains.draining if self._drains is not None else {}
             self.peers.attach(group, base, copy_now=self.modes.built("train"), forget=forget, check_every=check,
-                              avoid=set(draining))  # fmt: skip
+                              avoid=set(draining), in_flight=self.dispatch.max_in_flight)  # fmt: skip
         elif check:
             plan = MirrorPlan(None, 0, base, check_every=check)
             group.gather([a.mirror.remote(plan) for a in group.actors], "the replica check")

@@ -95,15 +95,16 @@ class PeerMemory:
         self.local: dict[tuple[int, int, int], Any] = {}  # survivors' own copies, taken after a death
 
     def attach(self, group: RankGroup, base: int, copy_now: bool = False, forget: bool = False,
-               check_every: int | None = None, avoid: Collection[str] = ()) -> None:
+               check_every: int | None = None, avoid: Collection[str] = (), in_flight: int = 1) -> None:
         """``group`` (its state after ``base`` train steps) copies its state every ``every`` train
         steps; ``copy_now``: and now. ``forget``: the copies before are of another count of steps
         (the state came from a checkpoint, or another driver): let them go. ``avoid``: nodes that
-        keep no copies (draining: they go soon)."""
+        keep no copies (draining: they go soon). ``in_flight``: messages the driver may have in flight."""
         self.generation = max(self.generation + 1, time.time_ns())  # above any earlier driver's
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in avoid]
         targets = keeper_nodes([p.node_id for p in group.places], alive)
-        plans = [MirrorPlan(self.every, self.generation, base, self._keeper(node), check_every) for node in targets]
+        plans = [MirrorPlan(self.every, self.generation, base, self._keeper(node), check_every, in_flight)
+                 for node in targets]
         if forget:
             self.local = {}
             ray.get([k.forget.remote(self.generation) for k in self._keepers.values()])
