@@ -219,8 +219,11 @@ def drive(spec: dict) -> None:
         events = dm.events()
         last = (len(events), events[-1]["time"] if events else None)
         if last != seen[0]:  # a new group, or its first step: where its ranks are
-            seen[0] = last
-            ranks[0] = [[r.pid, r.node_id] for r in dm.ranks]
+            try:
+                ranks[0] = [[r.pid, r.node_id] for r in dm.ranks]
+                seen[0] = last
+            except raydist.RankError:  # the group failed since (a hung rank found by this very call): the
+                pass                   # loop's next step raises it too, and restarts
         _write_json(where / "progress.json", {"driver": os.getpid(), "ticks": ticks[0], "trained": trained,
                                               "ranks": ranks[0], "time": time.time(), "resumed": resumed})
 
