@@ -168,12 +168,6 @@ def flip_when_asked():
 # -- the driver: a process of its own --------------------------------------------------------------
 
 
-def _write_json(path: Path, data) -> None:
-    temp = path.with_suffix(".tmp")
-    temp.write_text(json.dumps(data))
-    os.replace(temp, path)
-
-
 def drive(spec: dict) -> None:
     """Train the case ``spec["case"]`` in ``spec["loop"]`` for ``spec["epochs"]`` epochs on the
     cluster at ``spec["address"]``, resuming from ``spec["dir"]``'s checkpoints; every event goes to
@@ -187,7 +181,7 @@ def drive(spec: dict) -> None:
 
     import raydist
     from models import Rows, global_batches
-    from raydist import testing
+    from raydist import checkpoint, testing
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(message)s")
     case, where = CASES[spec["case"]], Path(spec["dir"])
@@ -224,7 +218,7 @@ def drive(spec: dict) -> None:
                 seen[0] = last
             except raydist.RankError:  # the group failed since (a hung rank found by this very call): the
                 pass                   # loop's next step raises it too, and restarts
-        _write_json(where / "progress.json", {"driver": os.getpid(), "ticks": ticks[0], "trained": trained,
+        checkpoint.write_json(str(where / "progress.json"), {"driver": os.getpid(), "ticks": ticks[0], "trained": trained,
                                               "ranks": ranks[0], "time": time.time(), "resumed": resumed})
 
     ck = str(where / "ck")
@@ -242,7 +236,7 @@ def drive(spec: dict) -> None:
         batches = [b for epoch in range(spec["epochs"])
                    for b in zip(*global_batches(rows, BATCH, case.shards, epoch, True, 3))]  # fmt: skip
         losses = _plain_loop(dm, batches, ck, tick)
-    _write_json(where / "result.json", {"losses": losses})
+    checkpoint.write_json(str(where / "result.json"), {"losses": losses})
     np.savez(where / "params.npz", **dm.state_dict("param"))
     dm.shutdown()
     ray.shutdown()

@@ -137,7 +137,7 @@ def test_after_a_failure_fit_keeps_every_completed_loss_though_a_callback_calls_
 
 import numpy as np  # noqa: E402
 
-from raydist.driver.lifecycle.recovery import Recovery, assemble_live  # noqa: E402
+from raydist.driver.lifecycle.recovery import Recovery  # noqa: E402
 from raydist.driver.lifecycle.restart import Restarts  # noqa: E402
 from raydist.driver.lifecycle.sources import (Checkpoints, Failure, Offer, PeerCopies, Start,  # noqa: E402
                                                Survivors, choose)
@@ -195,7 +195,7 @@ def _held(value: float) -> dict:
 
 def _sources(peers=None, saves=None) -> dict:
     saves = saves if saves is not None else Saves()
-    return {"replicas": Survivors(), "peer_memory": PeerCopies(peers, NAMES, assemble_live),
+    return {"replicas": Survivors(), "peer_memory": PeerCopies(peers, NAMES),
             "checkpoint": Checkpoints(saves), "start": Start(saves)}
 
 

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .recovery import LIVE_STATE_WAIT_S, assemble_live
+from .recovery import LIVE_STATE_WAIT_S
 from .sources import Checkpoints, Failure, Offer, PeerCopies, Source, Start, Survivors, choose, replayable
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class Restarting:
         on from leave the timeline (`raydist.driver.model.saves`). What it went on from: see `Restored`,
         and `raydist.DistModel.restart`."""
         self.state.wait_saved()  # a background save ends first: committed, or gone with the ranks
-        sources = {"replicas": Survivors(), "peer_memory": PeerCopies(self.peers, self.state.names, assemble_live),
+        sources = {"replicas": Survivors(), "peer_memory": PeerCopies(self.peers, self.state.names),
                    "checkpoint": Checkpoints(self.state.saves), "start": Start(self.state.saves)}  # fmt: skip
         return self.restarts.restart(self._failed_at, sources)
 

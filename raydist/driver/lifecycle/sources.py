@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ... import checkpoint
 from ...messages import ArraysStep
+from .recovery import assemble_live
 
 if TYPE_CHECKING:
     from ..model.saves import Saves
@@ -48,7 +49,7 @@ class Failure:
     completed: int
     bound: int
     rate: Any
-    unsalvaged: str = "no rank died (a step failed, or hung)"
+    unsalvaged: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +106,8 @@ class PeerCopies:
     """Peer memory's copies (`raydist.driver.lifecycle.peers`): the newest whose every shard is held,
     made at or before the failure's bound, with the driver still keeping the steps since."""
 
-    def __init__(self, peers: PeerMemory | None, names: set[str], assemble: Any):
-        self.peers, self.names, self.assemble = peers, names, assemble
+    def __init__(self, peers: PeerMemory | None, names: set[str]):
+        self.peers, self.names = peers, names
 
     def offer(self, failure: Failure) -> Offer | str:
         if self.peers is None:
@@ -128,7 +129,7 @@ class PeerCopies:
                 first = str(e).splitlines()[0] if str(e) else ""
                 whys.append(f"the copy after {index} train steps could not be read ({type(e).__name__}: {first})")
                 continue
-            found = self.assemble(answers, self.names)
+            found = assemble_live(answers, self.names)
             if not isinstance(found, str):
                 return Offer("peer_memory", index, len(steps), state=found[1], steps=tuple(steps), replay=True)
             whys.append(f"the copy after {index} train steps is incomplete: "
