@@ -20,7 +20,9 @@ from one to the other (the third is room for a replacement).
   peer memory. The time from the removal to the first step past those done before it
   (detection, a new group, the state, the steps computed again); of it, the restart's
   time and its state's part (the restart event's ``seconds`` and ``state_s``); the steps
-  computed twice; and whether the losses equal a run that lost nothing.
+  computed twice; whether the losses equal a run that lost nothing; and the driver's resident
+  memory growth from the removal to the end of the run (sampled every 5 ms; its largest over
+  the rounds) beside the model's whole state: the state moves rank to rank, not through it.
 - *a copy alone* (``--idle-copies N``): after the rounds, N copies each after one step on
   the otherwise idle machine: the machine's CPU they take (all processes: the rank's copy
   and put, the raylets' transfer, the keeper), less a step's with peer memory off, and
@@ -281,19 +283,43 @@ def _recovery_run(name: str, steps: int, every: int, kill_after: int, peer: bool
         fit.start()
         paused.wait()
         last = max(where)
+        peak = _Peak()  # the driver's memory over the recovery: the state does not pass through it
         cluster.remove_node(next(n for n in nodes if n.node_id == where[last]))
         times["kill"] = time.monotonic()
         go_on.set()
         fit.join()
+        grew = peak.stop()
         [restart] = [e for e in dm.events() if e["kind"] == "restart"]
         params = dm.state_dict("param")
+        state_bytes = sum(a.nbytes for a in dm.state_dict("all").values())
         dm.shutdown()
         return {"recovery": times["next"] - times["kill"], "replayed": restart["replayed"],
                 "source": restart["source"], "restart": restart["seconds"], "state": restart["state_s"],
-                "losses": run["losses"], "params": params}
+                "losses": run["losses"], "params": params, "driver_peak": grew, "state_bytes": state_bytes}
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+class _Peak:
+    """The driver process's resident memory, sampled every 5 ms from now to `stop`: its growth above now."""
+
+    def __init__(self):
+        import psutil
+
+        self._process, self._stopped = psutil.Process(), threading.Event()
+        self.base = self.peak = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        while not self._stopped.wait(0.005):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stopped.set()
+        self._thread.join()
+        return self.peak - self.base
 
 
 def recovery_table(names: list[str], steps: int, every: int, kill_after: int, rounds: int) -> str:
@@ -314,9 +340,11 @@ def recovery_table(names: list[str], steps: int, every: int, kill_after: int, ro
             rows.append(f"| {name} | {label} | {done[0]['source']} | {t:.1f} | {base / t:.2f}x "
                         f"| {statistics.median(r['restart'] for r in done):.1f} "
                         f"| {statistics.median(r['state'] for r in done) * 1e3:.0f} "
-                        f"| {statistics.median(r['replayed'] for r in done):.0f} | {'yes' if same else 'NO'} |")
+                        f"| {statistics.median(r['replayed'] for r in done):.0f} | {'yes' if same else 'NO'} "
+                        f"| {max(r['driver_peak'] for r in done) / 2**20:.1f} | {done[0]['state_bytes'] / 2**20:.1f} |")
             print(rows[-1], flush=True)
     header = ("| model | recovery from | restart's source | node removed to the next new step (s) | faster than "
               "the checkpoint | restart() (s) | of it, the state found and put in (ms) | steps computed twice "
-              "| losses of one process |")
-    return "\n".join([header, "|---|---|---|---:|---:|---:|---:|---:|---|", *rows])
+              "| losses of one process | the driver's memory growth over the recovery, largest (MiB) "
+              "| the model's state (MiB) |")
+    return "\n".join([header, "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|", *rows])

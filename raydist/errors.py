@@ -70,6 +70,16 @@ class UsageError(ValueError):
     """
 
 
+class HandoverLost(RuntimeError):
+    """Raised inside a rank that takes handed-over state (`raydist.handover`) when a piece of it is
+    gone (the node that held it died): the restart marks that state spent and takes another."""
+
+    @staticmethod
+    def caused(error: BaseException) -> bool:
+        """Whether ``error`` (a `RankError` at the driver) is a rank's `HandoverLost`."""
+        return f"{HandoverLost.__module__}.HandoverLost" in str(getattr(error, "cause", ""))
+
+
 class RankFailed(RuntimeError):
     """Raised inside a rank when a call fails: carries the rank and its traceback to the driver,
     and the step that failed if it was one."""

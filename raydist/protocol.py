@@ -24,6 +24,7 @@ from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
 from .messages import (INLINE_BYTES, BuildReport, MirrorPlan, Parcel, Progress, RankAnswers, ReadOrder, Reattached,
                        StepResults, pack, unpack)
+from .handover import describe
 from .net import free_port
 from .topology import ModePlan
 
@@ -237,6 +238,11 @@ class RankActor(Member):
         self.model.set_state(full)
 
     @reports_rank
+    def take_state(self, state: dict) -> None:
+        """Set this rank's shards from a `raydist.handover.StateMap`: each piece fetched from where it lies."""
+        self.model.take_state(state)
+
+    @reports_rank
     def save_pieces(self, directory: str, names: list[str], background: bool = False) -> str:
         """Write this rank's shards of ``names`` into a checkpoint directory; the file's name.
         ``background``: return once they are copied to host memory, and write them beside the
@@ -288,10 +294,19 @@ class RankActor(Member):
             model.mirror.copy(copy_now, model._state_copy)
 
     @ray.method(concurrency_group=ASIDE)
-    def mirrored(self) -> dict[int, Any]:
-        """This rank's own peer-memory copies, by train-step index (after a peer died)."""
+    def mirrored(self) -> dict[int, dict]:
+        """What this rank's own peer-memory copies hold, by train-step index (`raydist.handover.Piece`
+        by name; after a peer died: the pieces themselves come with `copy_pieces`)."""
         mirror = self.model.mirror if self.model is not None else None
-        return mirror.copies() if mirror is not None else {}
+        return {i: describe(copy, self.rank, codes=False) for i, copy in mirror.copies().items()} if mirror else {}
+
+    @ray.method(concurrency_group=ASIDE)
+    def copy_pieces(self, index: int, names: list[str]) -> list:
+        """The pieces ``names`` of this rank's copy after ``index`` train steps, each its own object
+        (called with ``num_returns=len(names)``, so that the caller owns them past this rank's end)."""
+        copy = self.model.mirror.copies()[index]
+        pieces = [copy[name][0] for name in names]
+        return pieces if len(pieces) != 1 else pieces[0]
 
     @ray.method(concurrency_group=ASIDE)
     def replica_codes(self, index: int) -> dict[str, tuple[tuple, int]] | None:
@@ -300,9 +315,12 @@ class RankActor(Member):
         return hashes.take(index) if hashes is not None else None
 
     @ray.method(concurrency_group=ASIDE)
-    def live_state(self, wait_s: float) -> tuple[int, dict] | None:
-        """Beside a step: this rank's state once no step runs (see `ModelService.live_state`)."""
-        return self.model.live_state(wait_s) if self.model is not None else None
+    def hand_over(self, wait_s: float, names: list[str]) -> list:
+        """Beside a step: this rank's pieces of the state once no step runs (see `ModelService.hand_over`;
+        called with ``num_returns=len(names) + 1``, so that the caller owns them past this rank's end)."""
+        if self.model is None:
+            return [None] * (len(names) + 1)
+        return self.model.hand_over(wait_s, names)
 
     # -- observing -------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ def test_a_keeper_keeps_the_complete_copy_and_the_newest():
     keeper = ray.remote(Keeper).remote()
 
     def copy(generation, rank, index, keep, value):
-        ray.get(keeper.keep.remote(generation, rank, index, keep, [ray.put({"w": np.full(3, value)})]))
+        ray.get(keeper.keep.remote(generation, rank, index, keep, [ray.put({"w": (np.full(3, value), None)})]))
 
     copy(1, 0, 0, None, 0.0)
     copy(1, 0, 2, [0], 2.0)
@@ -69,8 +69,9 @@ def test_a_keeper_keeps_the_complete_copy_and_the_newest():
     assert len(ray.get(keeper.held.remote())) == 4
     copy(2, 0, 6, [4], 6.0)  # ... its second does: generation 1 is older than a complete copy
     assert ray.get(keeper.held.remote()) == [(2, 0, 4), (2, 0, 6)]
-    [state] = ray.get(keeper.take.remote([(2, 0, 6)]))
-    assert state["w"].tolist() == [6.0] * 3
+    assert ray.get(keeper.piece.remote((2, 0, 6), "w")).tolist() == [6.0] * 3  # to the rank that asks
+    [(name, piece)] = ray.get(keeper.describe.remote((2, 0, 6))).items()  # to the driver: no data
+    assert name == "w" and piece.shape == (3,) and piece.layout is None
     ray.kill(keeper)
 
 

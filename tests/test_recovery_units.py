@@ -137,7 +137,9 @@ def test_after_a_failure_fit_keeps_every_completed_loss_though_a_callback_calls_
 
 import numpy as np  # noqa: E402
 
-from raydist.driver.lifecycle.recovery import Recovery  # noqa: E402
+from raydist.driver.lifecycle.recovery import Holding, Recovery  # noqa: E402
+from raydist.errors import RankError  # noqa: E402
+from raydist.handover import describe  # noqa: E402
 from raydist.driver.lifecycle.restart import Restarts  # noqa: E402
 from raydist.driver.lifecycle.sources import (Checkpoints, Failure, Offer, PeerCopies, Start,  # noqa: E402
                                                Survivors, choose)
@@ -189,8 +191,20 @@ class FakePeers:
         return held
 
 
-def _held(value: float) -> dict:
-    return {"w": (np.full(2, value, "float32"), None)}
+class _Value:
+    """A piece in the object store, faked."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def fetch(self):
+        return self.array
+
+
+def _held(value: float, index: int = 0, names: tuple = ("w",)) -> Holding:
+    """A copy of ``names`` after ``index`` train steps, every value ``value``."""
+    state = {name: (np.full(2, value, "float32"), None) for name in names}
+    return Holding(index, None, describe(state, 0, codes=False), {n: _Value(a) for n, (a, _) in state.items()})
 
 
 def _sources(peers=None, saves=None) -> dict:
@@ -231,7 +245,7 @@ def test_every_source_says_what_it_offers_or_why_not(tmp_path):
     peers = FakePeers({(0, 8): {0: _held(8.0)}, (0, 6): {0: _held(6.0)}, (0, 4): {0: "lost"}, (0, 2): {0: _held(2.0)}})
     offer = _offers(_failure(books), peers=peers)["peer_memory"]
     assert offer.trained == 8 and offer.replayed == 1 and [r for r, _ in offer.steps] == [8]
-    assert float(offer.state["w"][0]) == 8.0
+    assert float(offer.state["w"].cut(None, 0)[0]) == 8.0
     # after a mismatch whose last clean check was after 5 steps: the copy after 4 is lost, the one after 2 serves
     offer = _offers(_failure(books, bound=5), peers=peers)["peer_memory"]
     assert offer.trained == 2 and len(offer.steps) == 7
@@ -245,7 +259,7 @@ def test_every_source_says_what_it_offers_or_why_not(tmp_path):
         short.sent(i, i, ArraysStep([]))
     assert "no longer keeps the train steps since the copy after 2" in \
         _offers(_failure(short), peers=FakePeers({(0, 2): {0: _held(2.0)}}))["peer_memory"]
-    incomplete = _offers(_failure(books), peers=FakePeers({(0, 8): {0: {}}}))["peer_memory"]
+    incomplete = _offers(_failure(books), peers=FakePeers({(0, 8): {0: _held(8.0, names=())}}))["peer_memory"]
     assert "the copy after 8 train steps is incomplete" in incomplete
     # checkpoints: the newest of the timeline at or before the bound
     saves = Saves()
@@ -264,13 +278,16 @@ def test_every_source_says_what_it_offers_or_why_not(tmp_path):
 class FakeRebuild:
     """A model's group as a restart uses it: records each phase; ``fail`` names a phase that raises once."""
 
-    def __init__(self, fail: str | None = None):
-        self.calls, self.fail, self.events = [], fail, []
+    def __init__(self, fail: str | None = None, lost: bool = False):
+        self.calls, self.fail, self.events, self.lost = [], fail, [], lost
 
     def _phase(self, name, *args):
         self.calls.append((name, *args))
         if self.fail == name:
             self.fail = None
+            if self.lost:  # the state's pieces were on a node that is gone: the new rank says so
+                raise RankError(1, "Traceback ...\nraydist.errors.HandoverLost: a piece of the state handed over "
+                                   "is gone (ObjectLostError)", during=name)  # fmt: skip
             raise RuntimeError(f"rank 1 died during {name}")
 
     def close(self):
@@ -368,3 +385,25 @@ def test_a_copy_whose_steps_came_from_a_loader_goes_back_and_the_loop_feeds_them
     restored = Restarts(Saves(), rebuild).restart(lambda: _failure(books),
                                                   _sources(peers=FakePeers({(0, 6): {0: _held(6.0)}})))  # fmt: skip
     assert (restored.source, restored.behind) == ("peer_memory", 3)
+
+
+@pytest.mark.parametrize("source", ["replicas", "peer_memory"])
+def test_a_state_whose_pieces_are_lost_in_the_hand_over_is_not_offered_again(source):
+    """The survivors' pieces, or a copy's, lie on their nodes (`raydist.handover`): a node lost while
+    the new ranks fetch them leaves the state incomplete; the retry takes the next best source, while a
+    rank dying for another reason in the same phase leaves the state on offer."""
+    peers = FakePeers({(0, 6): {0: _held(6.0, 6)}, (0, 4): {0: _held(4.0, 4)}})
+    salvaged = ({"w": "pieces"}, 0.5, 9) if source == "replicas" else None
+    for lost, second in ((True, "peer_memory" if source == "replicas" else 4), (False, source)):
+        rebuild = FakeRebuild(fail="put_back", lost=lost)
+        restarts = Restarts(Saves(), rebuild)
+        failure = _failure(_books(9), salvaged=salvaged)
+        with pytest.raises(RuntimeError):
+            restarts.restart(lambda: failure, _sources(peers=peers))
+        restored = restarts.restart(lambda: failure, _sources(peers=peers))
+        if second == "peer_memory":
+            assert restored.source == "peer_memory" and restored.trained == 9
+        elif isinstance(second, int):
+            assert restored.source == "peer_memory" and rebuild.calls[-2] == ("mirror", second, False)
+        else:
+            assert restored.source == source

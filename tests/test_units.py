@@ -285,13 +285,34 @@ def test_elastic_sizes_split_the_loaders_shards_evenly():
     assert sizes_of((3, 8), Loader()).accepted == (4, 8) and not sizes_of((5, 8), Loader()).elastic
 
 
-def test_the_survivors_state_is_assembled_only_when_they_hold_all_of_it_at_one_step():
-    from raydist.driver.lifecycle import recovery as driver_state
+class _Value:
+    """A piece's source in the object store, faked: counts its fetches."""
+
+    fetched = 0
+
+    def __init__(self, array):
+        self.array = np.asarray(array)
+
+    def fetch(self):
+        _Value.fetched += 1
+        return self.array
+
+
+def _holding(state: dict, rank: int, steps: int = 3, torn: str | None = None):
+    from raydist.driver.lifecycle.recovery import Holding
+    from raydist.handover import describe
+
+    return Holding(steps, torn, describe(state, rank), {name: _Value(a) for name, (a, _) in state.items()})
+
+
+def test_the_survivors_state_is_located_only_when_they_hold_all_of_it_at_one_step():
+    from raydist.driver.lifecycle.recovery import locate as locate_state
+    from raydist.handover import half_updated
 
     names = {"w", "b", "w_beta1_pow_acc_0", "b_beta1_pow_acc_0"}
 
-    def assemble_live(answers, names=names):
-        return driver_state.assemble_live(answers, names)
+    def locate(answers, names=names):
+        return locate_state(answers, names)
 
     mesh = Mesh.of([[0, 1], [2, 3]], ["dp", "mp"])
     w = np.arange(8.0).reshape(2, 4)
@@ -302,25 +323,60 @@ def test_the_survivors_state_is_assembled_only_when_they_hold_all_of_it_at_one_s
         if pows:
             state.update({"w_beta1_pow_acc_0": (np.array([pows[0]]), None),
                           "b_beta1_pow_acc_0": (np.array([pows[1]]), None)})  # fmt: skip
-        return steps, broke_off, state
+        return _holding(state, rank, steps, half_updated(state) if broke_off else None)
 
-    steps, full = assemble_live({2: answer(2), 3: answer(3)})  # one data-parallel group survives
-    assert steps == 3 and np.array_equal(full["w"], w) and np.array_equal(full["b"], np.ones(2))
-    steps, full = assemble_live({0: answer(0), 3: answer(3)})  # a piece from each group
-    assert np.array_equal(full["w"], w)
-    assert "no surviving rank holds piece (1,) of 'w'" in assemble_live({0: answer(0), 2: answer(2)})
-    assert "different steps" in assemble_live({2: answer(2), 3: answer(3, steps=4)})
-    assert "replicas of 'w' differ" in assemble_live({0: answer(0), 1: answer(1), 2: answer(2, value=w + 1),
-                                                      3: answer(3)})  # fmt: skip
-    assert assemble_live({}) == "no surviving rank answered"
+    def full(found, name):
+        return found[1][name].cut(None, 0)
+
+    found = locate({2: answer(2), 3: answer(3)})  # one data-parallel group survives
+    assert found[0] == 3 and np.array_equal(full(found, "w"), w) and np.array_equal(full(found, "b"), np.ones(2))
+    found = locate({0: answer(0), 3: answer(3)})  # a piece from each group
+    assert np.array_equal(full(found, "w"), w)
+    assert "no surviving rank holds piece (1,) of 'w'" in locate({0: answer(0), 2: answer(2)})
+    assert "different steps" in locate({2: answer(2), 3: answer(3, steps=4)})
+    assert "replicas of 'w' differ" in locate({0: answer(0), 1: answer(1), 2: answer(2, value=w + 1), 3: answer(3)})
+    assert locate({}) == "no surviving rank answered"
     # a step broken off (by a peer's death): Adam's per-parameter counts tell whether it updated half
-    assert assemble_live({2: answer(2, broke_off=True), 3: answer(3)})[0] == 3
-    assert "some of its parameters were updated" in assemble_live({2: answer(2, broke_off=True, pows=(0.81, 0.9)),
-                                                                   3: answer(3)})  # fmt: skip
-    assert "no per-parameter step count" in assemble_live({2: answer(2, broke_off=True, pows=()), 3: answer(3)},
-                                                          {"w", "b"})  # fmt: skip
+    assert locate({2: answer(2, broke_off=True), 3: answer(3)})[0] == 3
+    assert "some of its parameters were updated" in locate({2: answer(2, broke_off=True, pows=(0.81, 0.9)),
+                                                            3: answer(3)})  # fmt: skip
+    assert "no per-parameter step count" in locate({2: answer(2, broke_off=True, pows=()), 3: answer(3)},
+                                                   {"w", "b"})  # fmt: skip
     # a tensor only a dead pipeline stage held
-    assert "no surviving rank holds ['v']" in assemble_live({2: answer(2), 3: answer(3)}, names | {"v"})
+    assert "no surviving rank holds ['v']" in locate({2: answer(2), 3: answer(3)}, names | {"v"})
+
+
+@pytest.mark.parametrize("source", [(-1, 1), (0, -1), (0, 1), (1, 0), (-1, -1)])
+def test_a_new_rank_cuts_its_shard_from_only_the_pieces_that_overlap_it(source):
+    """Handed-over state (`raydist.handover`): a tensor on a dp2 x mp2 mesh taken by the ranks of
+    other meshes (one rank, mp4, a 2 x 2 split the other way): each gets exactly its shard, and
+    fetches only the pieces its shard overlaps."""
+    from raydist.handover import Tensor
+
+    w = np.arange(48, dtype="float32").reshape(8, 6)
+    old = Layout(Mesh.of([[0, 1], [2, 3]], ["dp", "mp"]), source)
+    pieces = {key: _Value(old.local(w, ranks[0])) for key, ranks in old.holders().items()}
+    tensor = Tensor(w.shape, "float32", old, pieces)
+    targets = [None, Layout(Mesh.of([0, 1, 2, 3], ["mp"]), (0, -1)),
+               Layout(Mesh.of([[0, 1], [2, 3]], ["a", "b"]), (1, 0)), Layout(Mesh.of([0, 1], ["x"]), (-1, 0))]
+    for target in targets:
+        ranks = target.mesh.process_ids if target is not None else (0,)
+        for rank in ranks:
+            _Value.fetched = 0
+            mine = tensor.cut(target, rank)
+            assert np.array_equal(mine, w if target is None else target.local(w, rank)), (source, target, rank)
+            overlapping = sum(
+                all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(_bounds(target, rank, w), _bounds(old, k, w)))
+                for k in ([r[0] for r in old.holders().values()]))
+            assert _Value.fetched == overlapping <= len(pieces)
+
+
+def _bounds(layout, rank, array):
+    """[start, stop) per dim of ``rank``'s piece under ``layout``, from `Layout.local` of an index grid."""
+    if layout is None:
+        return [(0, n) for n in array.shape]
+    grids = np.meshgrid(*[np.arange(n) for n in array.shape], indexing="ij")
+    return [(int(layout.local(g, rank).min()), int(layout.local(g, rank).max()) + 1) for g in grids]
 
 
 def test_pipeline_stages_fill_in_pp_degree_and_refuse_what_paddles_schedules_would_deadlock_on():

@@ -10,10 +10,11 @@ import time
 
 import numpy as np
 import paddle
+import ray
 
-from .. import pickling
+from .. import handover, pickling
 from ..compat import engine as compat_engine
-from ..errors import UsageError
+from ..errors import HandoverLost, UsageError
 from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, Reattached, StepMessage, StepResults
 from ..specs import TensorSpec
 from ..strategy import pipeline_stages
@@ -186,17 +187,30 @@ class ModelService:
     def _state_copy(self) -> dict:
         return self.runner.state_dict("all")  # copies: host memory the next steps leave alone
 
-    def live_state(self, wait_s: float) -> tuple[int, bool, dict] | None:
-        """After a peer died: (train steps completed, whether the last one broke off at a
-        point where it may have applied some of its updates, this rank's pieces of the
-        state), read between two steps; None if a step still runs after ``wait_s`` (blocked
-        in a collective with the dead peer, say), or before a train program exists. A step
+    def hand_over(self, wait_s: float, names: list[str]) -> list:
+        """This rank's pieces of the state, for new ranks to take (`raydist.handover`): first
+        (train steps completed, why its state may hold half of a step's updates or None,
+        {name: Piece}), then the local array of each of ``names`` (None: not held here), each
+        its own object. Read between two steps; all None if a step still runs after ``wait_s``
+        (blocked in a collective with a dead peer, say), or before a program exists. A step
         that breaks off fails in a collective; once the program runs its updates last
         (compat.engine, behaviour 8), that is before any of them."""
-        if self.runner is None or "train" not in self.runner.modes or not self._idle.wait(wait_s):
-            return None
+        if self.runner is None or not self.runner.modes or not self._idle.wait(wait_s):
+            return [None] * (len(names) + 1)
+        state = self.runner.state_dict("all")  # copies: what the driver's references point at
         torn = self.broke_off and not self.runner.updates_last
-        return self.trained, torn, self.runner.state_dict("all")
+        why = handover.half_updated(state) if torn else None
+        return [(self.trained, why, handover.describe(state, self.rank))] + \
+            [state[n][0] if n in state else None for n in names]  # fmt: skip
+
+    def take_state(self, state: handover.StateMap) -> None:
+        """Set this rank's shards from ``state``'s pieces, each fetched from where it lies."""
+        try:
+            self.runner.set_pieces(lambda held: ((name, state[name].cut(layout, self.rank))
+                                                 for name, layout in held.items() if name in state))  # fmt: skip
+        except ray.exceptions.RayError as e:
+            raise HandoverLost(f"a piece of the state handed over is gone ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''})") from e  # fmt: skip
 
     def reattached(self) -> Reattached:
         """Where this rank stands, for a driver that attaches to it (the one before it gone)."""

@@ -9,10 +9,9 @@ speed. A copy of the state is not needed: each local array is read once.
 from __future__ import annotations
 
 import collections
-import zlib
 from typing import Any
 
-import numpy as np
+from ..handover import code
 
 KEEP = 256  # the newest checks a rank keeps for the driver to read (more than can run ahead of it)
 
@@ -31,8 +30,7 @@ class ReplicaHashes:
         index = self._offset + trained
         if index % self.every:
             return
-        self.codes[index] = {name: (layout.key(self.rank) if layout is not None else (),
-                                    zlib.crc32(np.ascontiguousarray(array).view(np.uint8)))
+        self.codes[index] = {name: (layout.key(self.rank) if layout is not None else (), code(array))
                              for name, (array, layout) in state().items()}  # fmt: skip
         while len(self.codes) > KEEP:
             self.codes.popitem(last=False)

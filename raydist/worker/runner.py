@@ -12,7 +12,7 @@ executor receives either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import paddle
@@ -23,6 +23,7 @@ from ..compat import disabled_fixes
 from ..compat import engine as compat_engine
 from ..compat import executor as compat_executor
 from ..compat.collectives import flush as flush_sends
+from ..handover import global_shape
 from ..specs import TensorSpec
 from ..strategy import micro_batches
 from ..topology import Layout, Mesh, ModePlan
@@ -176,7 +177,7 @@ class StaticRunner:
         if self._plans:
             for name, (var, array, mesh, dims_mapping) in compat_engine.local_state(self.model, mode).items():
                 layout = None if mesh is None else Layout(Mesh(*mesh), dims_mapping)
-                out[name] = (var, array, layout, _global_shape(array.shape, layout))
+                out[name] = (var, array, layout, global_shape(array.shape, layout))
             return out
         if mode == "opt":
             return out
@@ -200,13 +201,22 @@ class StaticRunner:
         """Set the named tensors from FULL values; this rank keeps its own shard. ``full``: the
         values, or a function that reads those of the names it is given (a checkpoint's):
         the tensors this rank holds."""
+
+        def pieces(held: dict[str, Layout | None]) -> Iterator[tuple[str, np.ndarray]]:
+            for name, value in (full(set(held)) if callable(full) else full).items():
+                if name in held:  # not another pipeline stage's
+                    layout = held[name]
+                    yield name, value if layout is None else layout.local(value, rank)
+
+        self.set_pieces(pieces)
+
+    def set_pieces(self, pieces: Callable[[dict[str, Layout | None]], Iterable[tuple[str, np.ndarray]]]) -> None:
+        """Set this rank's own pieces: ``pieces({name: layout})``, given the tensors this rank holds and their
+        layouts (None: whole), gives (name, local array) of those to set, one at a time."""
         if not self._plans:  # the layer's dygraph parameters, before the first build
             params = {name: t for name, t in self.layer.state_dict().items() if _held(t)}
-            for name, value in (full(set(params)) if callable(full) else full).items():
-                tensor = params.get(name)
-                if tensor is None:  # another pipeline stage's
-                    continue
-                local = layout_of_tensor(tensor).local(value, rank) if tensor.is_dist() else value
+            for name, local in pieces({n: layout_of_tensor(t) if t.is_dist() else None for n, t in params.items()}):
+                tensor = params[name]
                 (tensor._local_value() if tensor.is_dist() else tensor).set_value(np.array(local, order="C"))
             return
         from paddle.base import core
@@ -214,13 +224,10 @@ class StaticRunner:
         state = self._state("all")
         place = compat_engine.expected_place()
         local_state = {}
-        for name, value in (full(set(state)) if callable(full) else full).items():
-            if name not in state:  # another pipeline stage's
-                continue
-            var, _, layout, _ = state[name]
+        for name, local in pieces({name: layout for name, (_, _, layout, _) in state.items()}):
             dense = core.DenseTensor()
-            dense.set(np.array(value if layout is None else layout.local(value, rank), order="C"), place)
-            local_state[var] = dense
+            dense.set(np.array(local, order="C"), place)
+            local_state[state[name][0]] = dense
         program = compat_engine.program(self.engine, "dist_main", self.mode)
         program.set_state_dict(local_state, paddle.static.global_scope(), True)
 
@@ -229,10 +236,3 @@ def _held(tensor) -> bool:
     """Whether this rank holds a piece of a layer's tensor (not: another pipeline stage's)."""
     return not tensor.is_dist() or dist.get_rank() in tensor.process_mesh.process_ids
 
-
-def _global_shape(local: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
-    shape = list(local)
-    for d, m in enumerate(layout.dims_mapping if layout is not None else ()):
-        if m >= 0:
-            shape[d] *= layout.mesh.shape[m]
-    return tuple(shape)

@@ -136,7 +136,10 @@ def ping_all(actors: Sequence, timeout: float) -> list:
 NO_ANSWER = object()
 
 
-def call_on(actors: list, method, *args: Any) -> list:
-    """``method`` (an actor class's function, e.g. ``RankActor.state_meta``) called on every actor: refs."""
+def call_on(actors: list, method, *args: Any, num_returns: int | None = None) -> list:
+    """``method`` (an actor class's function, e.g. ``RankActor.state_meta``) called on every actor: refs
+    (``num_returns``: a list of that many per actor)."""
     name = method.__name__
-    return [getattr(a, name).remote(*args) for a in actors]
+    if num_returns is None:
+        return [getattr(a, name).remote(*args) for a in actors]
+    return [getattr(a, name).options(num_returns=num_returns).remote(*args) for a in actors]

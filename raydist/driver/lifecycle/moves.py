@@ -19,6 +19,7 @@ import ray
 from ..cluster.placement import placeable_now
 from ..cluster.sizes import Sizes
 from ..cluster.state import Outage
+from .recovery import live_state
 
 if TYPE_CHECKING:
     from ..dispatch.client import RankClient
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("raydist")
 
 GROW_PLACEMENT_S = 30.0  # how long growing waits for the room it saw before settling for what fits
+HAND_OVER_WAIT_S = 60.0  # how long a move waits for the live ranks to hand over their state
 ROOM_POLL_S = 1.0  # how often an elastic model below its largest size looks for room to grow
 
 
@@ -89,9 +91,14 @@ class Moves:
 
     def resize(self, size: int, why: str = "grow") -> None:
         """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
-        object store: no checkpoint is written); at a step boundary only. ``why``: "grow" or "drain"."""
+        object store, rank to rank: `raydist.handover`; no checkpoint is written); at a step boundary only. ``why``: "grow" or "drain"."""
         self.state.wait_saved()
-        state = self.state.state_dict("all" if self.modes.built("train") else "param")
+        # each piece stays on its rank's node, owned by the driver, until the new ranks fetch it
+        found = live_state(self.client.group.actors, set(self.state.meta("all" if self.modes.built("train")
+                                                                          else "param")), HAND_OVER_WAIT_S)  # fmt: skip
+        if isinstance(found, str):  # at a step boundary every rank answers: a rank died meanwhile
+            raise RuntimeError(f"raydist: the ranks could not hand over their state for the move: {found}")
+        state = found[1]
         rate = self.rates.position()
         first_step = self.client.window.submitted
         base = self.recovery.base + self.recovery.trained  # at a boundary: every step sent completed

@@ -13,9 +13,10 @@ of the model (in node order), or, when the ranks run on one node, of any other
 node there is. A rank keeps its own reference too: after a node's loss the
 survivors still have theirs even where their keeper went with the node.
 
-After a rank died and no data-parallel replica holds its shards, a restart builds
-the whole state from the newest copy that every shard has (the survivors' own,
-and the keepers'), then replays the train steps since it from the driver's
+After a rank died and no data-parallel replica holds its shards, a restart goes on
+from the newest copy that every shard has (the survivors' own, and the keepers'):
+each new rank fetches the pieces its shards need from where they lie
+(`raydist.handover`, never through the driver), then the driver replays the train steps since it from the driver's
 batches (`raydist.driver.lifecycle.recovery`): no disk is read. Only when a rank
 and its copy's node both died does the restart fall back to the last checkpoint.
 """
@@ -30,10 +31,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ...handover import Kept, Piece, describe
 from ...messages import MirrorPlan
 from ...protocol import RankActor
 from ..cluster.config import DETACHED_NAMESPACE, call_on
 from ..cluster.group import RankGroup
+from .recovery import Holding
 
 log = logging.getLogger("raydist")
 
@@ -65,9 +68,13 @@ class Keeper:
         """(generation, rank, index) of every copy held."""
         return sorted(self._held)
 
-    def take(self, keys: list[tuple[int, int, int]]) -> list[Any]:
-        """The copies of ``keys``."""
-        return [self._held[tuple(k)] for k in keys]
+    def describe(self, key: tuple[int, int, int]) -> dict[str, Piece]:
+        """What the copy ``key`` holds (`raydist.handover.Piece` by name, no data)."""
+        return describe(self._held[tuple(key)], key[1], codes=False)
+
+    def piece(self, key: tuple[int, int, int], name: str) -> Any:
+        """The piece ``name`` of the copy ``key`` (to the new rank that asks: it owns what it gets)."""
+        return self._held[tuple(key)][name][0]
 
 
 def keeper_nodes(rank_nodes: Sequence[str], alive: Sequence[str]) -> list[str]:
@@ -92,7 +99,7 @@ class PeerMemory:
         self.every, self.prefix, self.detached = every, prefix, detached
         self.generation = 0
         self._keepers: dict[str, Any] = {}  # node id -> keeper
-        self.local: dict[tuple[int, int, int], Any] = {}  # survivors' own copies, taken after a death
+        self.local: dict[tuple[int, int, int], Holding] = {}  # survivors' own copies, taken after a death
 
     def attach(self, group: RankGroup, base: int, copy_now: bool = False, forget: bool = False,
                check_every: int | None = None, avoid: Collection[str] = (), in_flight: int = 1) -> None:
@@ -123,21 +130,35 @@ class PeerMemory:
         return keeper
 
     def salvage(self, group: RankGroup, wait_s: float) -> None:
-        """A rank of ``group`` died: take the survivors' own copies before the group is torn down."""
-        refs = call_on(group.actors, RankActor.mirrored)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        """A rank of ``group`` died: take the survivors' own copies before the group is torn down (as
+        objects the driver owns on the survivors' nodes: they outlive the ranks)."""
+        deadline = time.monotonic() + wait_s
+        described = call_on(group.actors, RankActor.mirrored)
+        ready, _ = ray.wait(described, num_returns=len(described), timeout=wait_s)
+        asked = []
+        for rank, ref in enumerate(described):
+            if ref not in ready:
+                continue
+            try:
+                copies = ray.get(ref)
+            except Exception:  # noqa: BLE001 - a dead rank: it has nothing
+                continue
+            for index, pieces in copies.items():
+                names = sorted(pieces)
+                refs = call_on([group.actors[rank]], RankActor.copy_pieces, index, names, num_returns=len(names))[0]
+                asked.append((rank, index, pieces, dict(zip(names, refs if isinstance(refs, list) else [refs]))))
+        made = [r for *_, sources in asked for r in sources.values()]
+        # made before the group is torn down: a rank ended in the middle of the call leaves nothing
+        done = set(ray.wait(made, num_returns=len(made), timeout=max(0.1, deadline - time.monotonic()),
+                            fetch_local=False)[0]) if made else set()  # fmt: skip
         # added to what earlier deaths left: a restart that failed itself still has the first survivors'
-        for rank, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    for index, state in ray.get(ref).items():
-                        self.local[(self.generation, rank, index)] = state
-                except Exception:  # noqa: BLE001 - a dead rank: it has nothing
-                    continue
+        for rank, index, pieces, sources in asked:
+            if all(r in done for r in sources.values()):
+                self.local[(self.generation, rank, index)] = Holding(index, None, pieces, sources)
 
     def copies(self) -> dict[tuple[int, int], dict[int, Any]]:
-        """Every copy there is, by (generation, index): {rank: its refs or states}. The survivors'
-        own, then what the live keepers hold (a dead node's keeper holds nothing)."""
+        """Every copy there is, by (generation, index): {rank: a survivor's `Holding`, or (keeper, key)}.
+        The survivors' own, then what the live keepers hold (a dead node's keeper holds nothing)."""
         found: dict[tuple[int, int], dict[int, Any]] = {}
         for (generation, rank, index), state in self.local.items():
             found.setdefault((generation, index), {})[rank] = state
@@ -156,12 +177,14 @@ class PeerMemory:
         return found
 
     @staticmethod
-    def read(held: Any) -> Any:
-        """A copy's state, from a survivor (the state itself) or a keeper (``(keeper, key)``)."""
-        if isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], tuple):
-            keeper, key = held
-            return ray.get(keeper.take.remote([key]))[0]
-        return held
+    def read(held: Any) -> Holding:
+        """What a copy holds and where its pieces lie: a survivor's (a `Holding` already), or a
+        keeper's (``(keeper, key)``: its pieces fetched from the keeper by the ranks that need them)."""
+        if isinstance(held, Holding):
+            return held
+        keeper, key = held
+        pieces = ray.get(keeper.describe.remote(key), timeout=KEEPER_WAIT_S)
+        return Holding(key[2], None, pieces, {name: Kept(keeper, tuple(key), name) for name in pieces})
 
     def shutdown(self) -> None:
         """Stop the keepers (the model ends)."""

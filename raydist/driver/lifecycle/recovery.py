@@ -4,23 +4,26 @@ A rank's death ends its group (Paddle cannot rejoin a process group in one
 process), but the survivors' processes still hold their shards until they are
 torn down. `Recovery` keeps the books a restart needs: which train steps the
 driver sent to the live group and with which learning rate. When a rank dies,
-`Recovery.salvage` asks the survivors, beside their steps, for their state:
-if they hold all of it (every shard of the parameters and optimizer state, as
-on a data-parallel mesh whose every group keeps a replica) at the last train
-step the driver saw complete, a restart goes on from it and loses nothing but
-the failed steps; otherwise from the last checkpoint.
+`Recovery.salvage` asks the survivors, beside their steps, to hand over their
+state: each puts its pieces in its node's object store, the driver keeps the
+references (`raydist.handover`: the state never passes through the driver). If
+they hold all of it (every shard of the parameters and optimizer state, as on a
+data-parallel mesh whose every group keeps a replica) at the last train step the
+driver saw complete, a restart goes on from it and loses nothing but the failed
+steps: each new rank fetches the pieces its shards need.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Any
 
-import numpy as np
 import ray
 
+from ...handover import Piece, StateMap, Tensor
 from ...protocol import RankActor
 from ..cluster.config import call_on
 from ..cluster.group import RankGroup
@@ -47,7 +50,7 @@ class Recovery:
         self.trained = 0  # train steps sent to this group
         # (train-step index over the model's life, step number, rate, message)
         self._sent: collections.deque = collections.deque(carried or (), maxlen=max(keep, 1))
-        self._salvaged: tuple[dict, Any, int] | None = None
+        self._salvaged: tuple[StateMap, Any, int] | None = None
         self.unsalvaged = "no rank died (a step failed, or hung)"  # why there is no salvaged state
 
     def sent(self, number: int, rate: Any, message: Any = None) -> None:
@@ -101,25 +104,42 @@ class Recovery:
         rate = rate_now if not unfinished else next(r for i, _, r, _ in self._sent if i - self.base == trained)
         self._salvaged = (state, rate, trained)
 
-    def take(self) -> tuple[dict, Any, int] | None:
-        """(state, learning rate, train steps) the survivors held, if a rank died and they held all of it."""
+    def take(self) -> tuple[StateMap, Any, int] | None:
+        """(where the state lies, learning rate, train steps) the survivors held, if a rank died and they
+        held all of it."""
         salvaged, self._salvaged = self._salvaged, None
         return salvaged
 
 
-def live_state(actors: list, names: set[str]) -> tuple[int, dict[str, np.ndarray]] | str:
-    """After a rank died: the FULL state its surviving peers hold, and the train steps it is
-    after; or, if they do not hold all of it, why not.
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """What a rank, or a keeper for a copy, holds of the state: after ``trained`` train steps (the
+    rank's count, or the copy's index); ``torn``: why it may hold some of a broken-off step's updates
+    and not others (None: it cannot); ``pieces``: `raydist.handover.Piece` by name; ``sources``: where
+    each lies (an object reference the driver owns, or a `raydist.handover.Kept`)."""
 
-    Asked beside their steps (`RankActor.live_state`): the dead ranks' calls fail at
-    once, a survivor blocked in a collective that never returns gives nothing.
+    trained: int
+    torn: str | None
+    pieces: dict[str, Piece]
+    sources: dict[str, Any]
+
+
+def live_state(actors: list, names: set[str], wait_s: float = LIVE_STATE_WAIT_S) -> tuple[int, StateMap] | str:
+    """After a rank died (or before a move): where the FULL state the live ranks hold lies, and the
+    train steps it is after; or, if they do not hold all of it, why not.
+
+    Asked beside their steps (`RankActor.hand_over`): the dead ranks' calls fail at once, a
+    survivor blocked in a collective that never returns gives nothing. Each piece is an object
+    the driver owns on its rank's node, never read here: it outlives the rank's end.
     """
-    refs = call_on(actors, RankActor.live_state, LIVE_STATE_WAIT_S)
-    deadline = time.monotonic() + LIVE_STATE_WAIT_S + 2.0
+    order = sorted(names)
+    calls = call_on(actors, RankActor.hand_over, wait_s, order, num_returns=len(order) + 1)
+    refs = [call[0] for call in calls]
+    deadline = time.monotonic() + wait_s + 2.0
     answers, pending = {}, list(refs)
     while pending:
         # the first answers that hold all of it will do: a survivor blocked in a collective with
-        # a peer that broke off its step would keep the restart waiting for LIVE_STATE_WAIT_S
+        # a peer that broke off its step would keep the restart waiting for wait_s
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             break
@@ -128,81 +148,56 @@ def live_state(actors: list, names: set[str]) -> tuple[int, dict[str, np.ndarray
         except Exception:  # noqa: BLE001 - a dead rank: it holds nothing
             continue
         if answer is not None:
-            answers[refs.index(ready[0])] = answer
-            if _why_not(answers, names) is None:
-                found = assemble_live(answers, names)
-                if not isinstance(found, str):
-                    return found
-    return assemble_live(answers, names)
+            rank = refs.index(ready[0])
+            trained, torn, pieces = answer
+            answers[rank] = Holding(trained, torn, pieces, {n: calls[rank][1 + order.index(n)] for n in pieces})
+            found = locate(answers, names)
+            if not isinstance(found, str):
+                return found
+    return locate(answers, names)
 
 
-def assemble_live(answers: dict[int, tuple[int, bool, dict]],
-                  names: set[str]) -> tuple[int, dict[str, np.ndarray]] | str:  # fmt: skip
-    """The full state (tensors ``names``) from the surviving ranks' ``{rank: (train steps,
-    broke off, {name: (local, layout)})}``; or why it cannot be had: no survivor, survivors
-    at different steps, a step that may have been broken off halfway through its updates,
-    a piece or a tensor no survivor holds, or replicas that differ."""
-    why = _why_not(answers, names)
+def locate(holdings: dict[int, Holding], names: set[str]) -> tuple[int, StateMap] | str:
+    """Where each piece of the full state (tensors ``names``) lies among the ranks' ``holdings``
+    (by rank), and the train steps it is after; or why it cannot be had: no holder, holders at
+    different steps, a step that may have been broken off halfway through its updates, a piece or
+    a tensor no holder holds, or replicas that differ."""
+    why = _why_not(holdings, names)
     if why is not None:
         return why
-    steps = {rank: t for rank, (t, _, _) in answers.items()}
-    pieces = {rank: state for rank, (_, _, state) in answers.items()}
-    full = {}
-    for name in names:
-        array, layout = next(state[name] for state in pieces.values() if name in state)
-        if layout is None:
-            full[name] = array
+    found: StateMap = {}
+    for name in sorted(names):
+        holders = [r for r in sorted(holdings) if name in holdings[r].pieces]
+        piece = holdings[holders[0]].pieces[name]
+        if piece.layout is None:
+            found[name] = Tensor(piece.shape, piece.dtype, None, {(): holdings[holders[0]].sources[name]})
             continue
-        local = {}
-        for key, holders in layout.holders().items():
-            alive = [r for r in holders if r in pieces]
-            value = pieces[alive[0]][name][0]
-            if any(not np.array_equal(pieces[r][name][0], value) for r in alive[1:]):
+        sources = {}
+        for key, ranks in piece.layout.holders().items():
+            alive = [r for r in ranks if r in holders]
+            if len({holdings[r].pieces[name].code for r in alive} - {None}) > 1:
                 return f"the surviving replicas of {name!r} differ"
-            local[alive[0]] = value
-        full[name] = layout.assemble(local)
-    return next(iter(steps.values())), full
+            sources[key] = holdings[alive[0]].sources[name]
+        found[name] = Tensor(piece.shape, piece.dtype, piece.layout, sources)
+    return holdings[next(iter(holdings))].trained, found
 
 
-def _why_not(answers: dict[int, tuple[int, bool, dict]], names: set[str]) -> str | None:
-    """Why the surviving ranks' answers cannot give the full state (short of comparing replicas); None if they can."""
-    if not answers:
+def _why_not(holdings: dict[int, Holding], names: set[str]) -> str | None:
+    """Why the holdings cannot give the full state (short of comparing replicas); None if they can."""
+    if not holdings:
         return "no surviving rank answered"
-    steps = {rank: t for rank, (t, _, _) in answers.items()}
+    steps = {rank: h.trained for rank, h in holdings.items()}
     if len(set(steps.values())) > 1:
         return f"the surviving ranks stand at different steps ({steps})"
-    pieces = {rank: state for rank, (_, _, state) in answers.items()}
-    for rank, (_, broke_off, state) in answers.items():
-        why = _half_updated(state) if broke_off else None
-        if why:
-            return f"rank {rank} broke off a train step, and {why}"
-    missing = sorted(names - {name for state in pieces.values() for name in state})
+    for rank, holding in holdings.items():
+        if holding.torn:
+            return f"rank {rank} broke off a train step, and {holding.torn}"
+    missing = sorted(names - {name for h in holdings.values() for name in h.pieces})
     if missing:
         return f"no surviving rank holds {missing}"
-    for name in names:
-        _, layout = next(state[name] for state in pieces.values() if name in state)
-        for key, holders in (layout.holders().items() if layout is not None else ()):
-            if not any(r in pieces for r in holders):
-                return f"no surviving rank holds piece {key} of {name!r} (held by ranks {holders})"
-    return None
-
-
-def _half_updated(state: dict) -> str | None:
-    """Why a rank's state may hold some of a broken-off step's updates and not others; None if not.
-
-    Paddle's train program updates each parameter right after its gradient's
-    all_reduce, so a peer's death between two all_reduces leaves the first
-    parameters updated. Adam-like optimizers count steps per parameter (their
-    beta pow accumulators): equal counts show that no update, or every update,
-    ran. Optimizers without such counts (SGD, Momentum) cannot show it.
-    """
-    counts: dict[str, set] = {}
-    for name, (array, _) in state.items():
-        for kind in ("beta1_pow_acc", "beta2_pow_acc"):
-            if kind in name:
-                counts.setdefault(kind, set()).add(float(np.asarray(array).ravel()[0]))
-    if not counts:
-        return "its optimizer keeps no per-parameter step count (Adam's beta pows) to show no update of it ran"
-    if any(len(values) > 1 for values in counts.values()):
-        return "some of its parameters were updated and others not"
+    for name in sorted(names):
+        layout = next(h.pieces[name] for h in holdings.values() if name in h.pieces).layout
+        for key, ranks in (layout.holders().items() if layout is not None else ()):
+            if not any(r in holdings and name in holdings[r].pieces for r in ranks):
+                return f"no surviving rank holds piece {key} of {name!r} (held by ranks {ranks})"
     return None

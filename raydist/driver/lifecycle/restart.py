@@ -18,10 +18,12 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ...errors import HandoverLost
 from .recovery import LIVE_STATE_WAIT_S
 from .sources import Checkpoints, Failure, Offer, PeerCopies, Source, Start, Survivors, choose, replayable
 
 if TYPE_CHECKING:
+    from ...handover import StateMap
     from ..cluster.group import RankGroup
     from ..dispatch.client import RankClient
     from ..model.saves import Saves
@@ -52,8 +54,8 @@ class Rebuild(Protocol):
     def start(self, first_step: int, freed: int, base: int) -> None:
         """A new group (its steps numbered from ``first_step``), the model built on it, its state after ``base`` train steps."""
 
-    def put_back(self, state: dict, rate: Any) -> None:
-        """Give the new group ``state`` (and the learning rate ``rate``, unless None)."""
+    def put_back(self, state: StateMap, rate: Any) -> None:
+        """The new ranks take ``state`` from where it lies (and the learning rate ``rate``, unless None)."""
 
     def load(self, path: str) -> None:
         """The new group reads the checkpoint at ``path``."""
@@ -99,7 +101,12 @@ class Restarts:
         if offer.path is not None:
             rebuild.load(offer.path)
         elif offer.state is not None:
-            rebuild.put_back(offer.state, offer.rate)
+            try:
+                rebuild.put_back(offer.state, offer.rate)
+            except Exception as e:
+                if HandoverLost.caused(e):  # a node that held some of it is gone: not offered again
+                    failure.spent.add("replicas" if offer.source == "replicas" else offer.trained)
+                raise
         state_s += time.monotonic() - put_began
         rebuild.mirror(offer.trained, forget=not offer.replay and offer.source != "replicas")
         replay_began, replayed = time.monotonic(), 0
@@ -195,11 +202,11 @@ class Restarting:
         if self.peers is not None:  # the survivors' own copies, before the group is torn down
             self.peers.salvage(group, LIVE_STATE_WAIT_S)
 
-    def _put_back(self, state: dict, rate: Any) -> None:
-        """Give the new group the state and learning rate of the one before."""
+    def _put_back(self, state: StateMap, rate: Any) -> None:
+        """The new group takes the state of the one before from where it lies, and its learning rate."""
         if not self.modes.built("train") and not set(state) <= set(self.state.meta()):
             self.modes.build("train")  # the optimizer's state lives in the train program
-        self.state.set_state_dict(state)
+        self.state.take(state)
         self.rates.go_to(rate)
 
 
@@ -217,7 +224,7 @@ class LifeRebuild:
     def start(self, first_step: int, freed: int, base: int) -> None:
         self.life.start(first_step, freed=freed, base=base, mirror=False)
 
-    def put_back(self, state: dict, rate: Any) -> None:
+    def put_back(self, state: StateMap, rate: Any) -> None:
         self.life._put_back(state, rate)
 
     def load(self, path: str) -> None:

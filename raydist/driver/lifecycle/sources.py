@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ... import checkpoint
 from ...messages import ArraysStep
-from .recovery import assemble_live
+from .recovery import locate
 
 if TYPE_CHECKING:
     from ..model.saves import Saves
@@ -40,7 +40,8 @@ class Failure:
     group), or None and ``unsalvaged`` why not; ``first_step``, ``done``: the numbers of the next step
     and of the first not completed; ``completed``: the train steps done (over the model's life);
     ``bound``: the newest count whose state a restart trusts (the last clean check after a mismatch);
-    ``rate``: the learning rate the first step not completed ran with."""
+    ``rate``: the learning rate the first step not completed ran with; ``spent``: the states a restart
+    failed to hand over (their pieces' node gone): "replicas", and peer memory's copies by index."""
 
     recovery: Recovery
     salvaged: tuple[dict, Any, int] | None
@@ -50,12 +51,13 @@ class Failure:
     bound: int
     rate: Any
     unsalvaged: str
+    spent: set = dataclasses.field(default_factory=set)  # states whose hand-over failed: "replicas", copy indices
 
 
 @dataclasses.dataclass(frozen=True)
 class Offer:
-    """What ``source`` can give a restart: the state after ``trained`` train steps (``state``: the full
-    state to put back; None: a checkpoint's, read from ``path`` by the new ranks, or the builders'),
+    """What ``source`` can give a restart: the state after ``trained`` train steps (``state``: where
+    its pieces lie, `raydist.handover.StateMap`, for the new ranks to fetch; None: a checkpoint's, read from ``path`` by the new ranks, or the builders'),
     with the learning rate ``rate`` (None: the replay's, the checkpoint's or the builders'), and
     the (rate, message) of each train step since (``steps``) for a replay when ``replay``.
     ``replayed``: the steps the driver saw done that the state is behind (for the event)."""
@@ -96,6 +98,8 @@ class Survivors:
     """The state the surviving ranks held when a rank died (`Recovery.salvage`)."""
 
     def offer(self, failure: Failure) -> Offer | str:
+        if failure.salvaged is not None and "replicas" in failure.spent:
+            return "the survivors' state could not be handed over (a node that held some of it is gone)"
         if failure.salvaged is None:
             return failure.unsalvaged
         state, rate, trained = failure.salvaged
@@ -123,13 +127,16 @@ class PeerCopies:
             if steps is None:
                 whys.append(f"the driver no longer keeps the train steps since the copy after {index}")
                 continue
+            if index in failure.spent:
+                whys.append(f"the copy after {index} train steps could not be handed over before")
+                continue
             try:
-                answers = {rank: (index, False, self.peers.read(held)) for rank, held in holders.items()}
+                holdings = {rank: self.peers.read(held) for rank, held in holders.items()}
             except Exception as e:  # noqa: BLE001 - a keeper lost meanwhile: an older copy may do
                 first = str(e).splitlines()[0] if str(e) else ""
                 whys.append(f"the copy after {index} train steps could not be read ({type(e).__name__}: {first})")
                 continue
-            found = assemble_live(answers, self.names)
+            found = locate(holdings, self.names)
             if not isinstance(found, str):
                 return Offer("peer_memory", index, len(steps), state=found[1], steps=tuple(steps), replay=True)
             whys.append(f"the copy after {index} train steps is incomplete: "

@@ -1,7 +1,8 @@
 """A model's state at the driver: full tensors from the ranks' shards, and distributed checkpoints.
 
-The ranks hold shards; the driver assembles full values (`ModelState.state_dict`),
-hands full values back for every rank to keep its shard (`set_state_dict`),
+The ranks hold shards; the driver assembles full values when the user asks
+(`ModelState.state_dict`), hands full values back for every rank to keep its shard
+(`set_state_dict`), has a new group take a state from where it lies (`take`),
 and orchestrates checkpoints: every rank writes its own shards, the driver
 writes the manifest and commits (`raydist.checkpoint`). A checkpoint's
 optimizer state that the model does not have yet (before its train program
@@ -20,6 +21,7 @@ import numpy as np
 import ray
 
 from ... import checkpoint
+from ...handover import StateMap
 from ...protocol import RankActor
 from ..dispatch.client import RankClient
 from .rates import LearningRate
@@ -91,6 +93,11 @@ class ModelState:
                 array = array.astype(dtype)
             full[name] = array
         self.client.call(RankActor.set_state, ray.put(full))
+
+    def take(self, state: StateMap) -> None:
+        """Every rank takes its shards of ``state`` from where its pieces lie (`raydist.handover`:
+        the ranks fetch them; the driver sends references only)."""
+        self.client.call(RankActor.take_state, state)
 
     def save(self, path: str, trained: int, background: bool = False, **info: Any) -> None:
         """Every rank writes its shards to a staging directory; then the manifest, and the commit.
