@@ -60,6 +60,14 @@ class Tensor:
     layout: Layout | None
     pieces: dict[tuple[int, ...], Any]
 
+    def needed(self, target: Layout | None, rank: int) -> list[tuple[int, ...]]:
+        """The keys of the pieces that ``rank``'s piece under ``target`` overlaps."""
+        if self.layout is None or self.layout.partial:
+            return list(self.pieces)
+        box = _box(target, rank, self.shape)
+        return [key for key in self.pieces
+                if all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(box, _piece_box(self.layout, key, self.shape)))]
+
     def cut(self, target: Layout | None, rank: int) -> np.ndarray:
         """``rank``'s piece under ``target`` (None: the whole tensor), from the pieces that overlap it."""
         box = _box(target, rank, self.shape)
@@ -74,18 +82,37 @@ class Tensor:
         out = np.empty([b - a for a, b in box], dtype=self.dtype)
         if out.size == 0:
             return out
-        for key, source in self.pieces.items():
+        for key in self.needed(target, rank):
             piece_box = _piece_box(layout, key, self.shape)
             overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, piece_box)]
-            if any(lo >= hi for lo, hi in overlap):
-                continue
-            piece = fetch(source)
+            piece = fetch(self.pieces[key])
             out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))] = \
                 piece[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, piece_box))]  # fmt: skip
         return out
 
 
 StateMap = dict[str, Tensor]
+
+
+def ask_keepers(state: StateMap, targets: dict[str, Layout | None], rank: int) -> StateMap:
+    """``state`` with each kept piece that ``rank``'s shards under ``targets`` ({name: layout})
+    overlap asked of its keeper beforehand: one call per copy, not one per piece (its pieces come
+    back as objects this process owns, read one tensor at a time by `Tensor.cut`)."""
+    asks: dict[tuple[int, int, int], list[tuple[str, tuple[int, ...]]]] = {}
+    keepers: dict[tuple[int, int, int], Any] = {}
+    for name, target in targets.items():
+        tensor = state[name]
+        for key in tensor.needed(target, rank):
+            source = tensor.pieces[key]
+            if isinstance(source, Kept):
+                asks.setdefault(source.copy, []).append((name, key))
+                keepers[source.copy] = source.keeper
+    pieces = {name: dict(tensor.pieces) for name, tensor in state.items()}
+    for copy, wanted in asks.items():
+        refs = keepers[copy].pieces.options(num_returns=len(wanted)).remote(copy, [name for name, _ in wanted])
+        for (name, key), ref in zip(wanted, refs if len(wanted) > 1 else [refs]):
+            pieces[name][key] = ref
+    return {name: dataclasses.replace(tensor, pieces=pieces[name]) for name, tensor in state.items()}
 
 
 def fetch(source: Any) -> np.ndarray:

@@ -546,3 +546,67 @@ def test_groups_defect_every_gloo_group_rendezvous_under_the_same_bare_keys(fixe
     )  # fmt: skip
     # "5/0" is the group's communicator (prefixed by its id): in the fix's own store, not the global one
     assert out.strip() == ("bare False prefixed False" if fixed else "bare True prefixed True"), out
+
+
+DY2STATIC_CONFIG = """
+class Base:  # PaddleFormers' PretrainedConfig (configuration_utils.py), in short
+    attribute_map = {}
+
+    def __getattribute__(self, key):
+        if key != "attribute_map" and key in super().__getattribute__("attribute_map"):
+            key = super().__getattribute__("attribute_map")[key]
+        return super().__getattribute__(key)
+
+    def get(self, key, default=None):
+        return self.__getattribute__(key) if hasattr(self, key) else default
+
+
+class Config(Base):
+    scale = 2.0
+"""
+
+DY2STATIC_NET = """
+import sys
+import paddle
+import cfgmod
+
+class Net(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.config = cfgmod.Config()
+        self.fc = paddle.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * self.config.get("scale")
+
+if sys.argv[1] == "raydist":
+    from raydist.compat import dy2static
+    dy2static.UNCONVERTED = ("cfgmod",)
+    print("left", dy2static.ignore_unconverted())
+paddle.seed(1)
+net = Net()
+x = paddle.ones([2, 4])
+eager = net(x).numpy()
+try:
+    out = paddle.jit.to_static(net, full_graph=True)(x).numpy()
+    print("equal", bool(abs(out - eager).max() < 1e-6))
+except RecursionError:
+    print("RecursionError")
+"""
+
+
+@pytest.mark.parametrize("fix", ["none", "raydist"])
+def test_dy2static_defect_super_in_an_inherited_method_recurses(fix, tmp_path):
+    """dy2static turns ``super()`` into ``super(self.__class__, self)``: in a method a subclass
+    inherits (PaddleFormers' ``PretrainedConfig.__getattribute__``), that recurses; the fix leaves
+    the config's module unconverted (`raydist.compat.dy2static`) and the program equals eager."""
+    (tmp_path / "cfgmod.py").write_text(DY2STATIC_CONFIG)
+    (tmp_path / "net.py").write_text(DY2STATIC_NET)
+    result = subprocess.run([sys.executable, str(tmp_path / "net.py"), fix], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=100, env={**os.environ, "GLOG_minloglevel": "3"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1]
+    if fix == "none":
+        assert last == "RecursionError", result.stdout
+    else:
+        assert "left ['cfgmod']" in result.stdout and last == "equal True", result.stdout

@@ -14,6 +14,7 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 - `groups`: gloo process groups after the global one, each with a rendezvous of its own (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
 - `executor`: the executor's per-step printing of the whole program (all devices).
+- `dy2static`: PaddleFormers' configs, whose inherited ``super()`` calls dy2static turns into a recursion (all devices).
 - `callbacks`: Paddle's callback list for `fit` and `evaluate`, built as ``Model.fit`` builds it (the driver).
 
 Paddle's private members raydist reads (the engine's programs, specs, strategy, executor; the
@@ -74,9 +75,9 @@ def apply(use_gpu: bool) -> list[str]:
             stacklevel=2,
         )
     disabled = disabled_fixes()
-    from . import collectives, degree, engine, executor, groups, rings, stages
+    from . import collectives, degree, dy2static, engine, executor, groups, rings, stages
 
-    fixes = [("engine", engine.apply), ("executor", executor.apply)]
+    fixes = [("engine", engine.apply), ("executor", executor.apply), ("dy2static", dy2static.apply)]
     if not use_gpu:
         fixes += [("rings", rings.apply), ("collectives", collectives.apply), ("stages", stages.apply),
                   ("degree", degree.apply), ("groups", groups.apply)]  # fmt: skip

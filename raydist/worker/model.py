@@ -205,9 +205,13 @@ class ModelService:
 
     def take_state(self, state: handover.StateMap) -> None:
         """Set this rank's shards from ``state``'s pieces, each fetched from where it lies."""
+        def pieces(held):
+            mine = {name: layout for name, layout in held.items() if name in state}
+            asked = handover.ask_keepers(state, mine, self.rank)
+            return ((name, asked[name].cut(layout, self.rank)) for name, layout in mine.items())
+
         try:
-            self.runner.set_pieces(lambda held: ((name, state[name].cut(layout, self.rank))
-                                                 for name, layout in held.items() if name in state))  # fmt: skip
+            self.runner.set_pieces(pieces)
         except ray.exceptions.RayError as e:
             raise HandoverLost(f"a piece of the state handed over is gone ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''})") from e  # fmt: skip

@@ -76,6 +76,11 @@ class Keeper:
         """The piece ``name`` of the copy ``key`` (to the new rank that asks: it owns what it gets)."""
         return self._held[tuple(key)][name][0]
 
+    def pieces(self, key: tuple[int, int, int], names: list[str]) -> Any:
+        """The pieces ``names`` of the copy ``key``, each its own object (called with ``num_returns=len(names)``)."""
+        found = [self._held[tuple(key)][name][0] for name in names]
+        return found if len(found) != 1 else found[0]
+
 
 def keeper_nodes(rank_nodes: Sequence[str], alive: Sequence[str]) -> list[str]:
     """For each rank (by the node it runs on), the node its copies go to: the next node that runs
