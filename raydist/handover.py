@@ -46,7 +46,7 @@ class Kept:
     name: str
 
     def fetch(self) -> np.ndarray:
-        return ray.get(self.keeper.piece.remote(self.copy, self.name))
+        return ray.get(self.keeper.pieces.remote(self.copy, [self.name]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +110,20 @@ def ask_keepers(state: StateMap, targets: dict[str, Layout | None], rank: int) -
     pieces = {name: dict(tensor.pieces) for name, tensor in state.items()}
     for copy, wanted in asks.items():
         refs = keepers[copy].pieces.options(num_returns=len(wanted)).remote(copy, [name for name, _ in wanted])
-        for (name, key), ref in zip(wanted, refs if len(wanted) > 1 else [refs]):
+        for (name, key), ref in zip(wanted, listed(refs)):
             pieces[name][key] = ref
     return {name: dataclasses.replace(tensor, pieces=pieces[name]) for name, tensor in state.items()}
+
+
+def returns(values: list) -> Any:
+    """``values`` as the returns of a call made with ``num_returns=len(values)`` (Ray takes one value,
+    not a list of one, when that is 1)."""
+    return values if len(values) != 1 else values[0]
+
+
+def listed(refs: Any) -> list:
+    """The references of a call made with ``num_returns=n``, as a list (Ray gives one, not a list, for 1)."""
+    return refs if isinstance(refs, list) else [refs]
 
 
 def fetch(source: Any) -> np.ndarray:

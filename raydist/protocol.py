@@ -24,7 +24,7 @@ from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
 from .messages import (INLINE_BYTES, BuildReport, MirrorPlan, Parcel, Progress, RankAnswers, ReadOrder, Reattached,
                        StepResults, pack, unpack)
-from .handover import describe
+from .handover import describe, returns
 from .net import free_port
 from .topology import ModePlan
 
@@ -305,8 +305,7 @@ class RankActor(Member):
         """The pieces ``names`` of this rank's copy after ``index`` train steps, each its own object
         (called with ``num_returns=len(names)``, so that the caller owns them past this rank's end)."""
         copy = self.model.mirror.copies()[index]
-        pieces = [copy[name][0] for name in names]
-        return pieces if len(pieces) != 1 else pieces[0]
+        return returns([copy[name][0] for name in names])
 
     @ray.method(concurrency_group=ASIDE)
     def replica_codes(self, index: int) -> dict[str, tuple[tuple, int]] | None:

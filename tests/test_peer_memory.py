@@ -69,7 +69,7 @@ def test_a_keeper_keeps_the_complete_copy_and_the_newest():
     assert len(ray.get(keeper.held.remote())) == 4
     copy(2, 0, 6, [4], 6.0)  # ... its second does: generation 1 is older than a complete copy
     assert ray.get(keeper.held.remote()) == [(2, 0, 4), (2, 0, 6)]
-    assert ray.get(keeper.piece.remote((2, 0, 6), "w")).tolist() == [6.0] * 3  # to the rank that asks
+    assert ray.get(keeper.pieces.remote((2, 0, 6), ["w"])).tolist() == [6.0] * 3  # to the rank that asks
     [(name, piece)] = ray.get(keeper.describe.remote((2, 0, 6))).items()  # to the driver: no data
     assert name == "w" and piece.shape == (3,) and piece.layout is None
     ray.kill(keeper)

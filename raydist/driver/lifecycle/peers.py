@@ -31,7 +31,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ...handover import Kept, Piece, describe
+from ...handover import Kept, Piece, describe, listed, returns
 from ...messages import MirrorPlan
 from ...protocol import RankActor
 from ..cluster.config import DETACHED_NAMESPACE, call_on
@@ -72,14 +72,10 @@ class Keeper:
         """What the copy ``key`` holds (`raydist.handover.Piece` by name, no data)."""
         return describe(self._held[tuple(key)], key[1], codes=False)
 
-    def piece(self, key: tuple[int, int, int], name: str) -> Any:
-        """The piece ``name`` of the copy ``key`` (to the new rank that asks: it owns what it gets)."""
-        return self._held[tuple(key)][name][0]
-
     def pieces(self, key: tuple[int, int, int], names: list[str]) -> Any:
-        """The pieces ``names`` of the copy ``key``, each its own object (called with ``num_returns=len(names)``)."""
-        found = [self._held[tuple(key)][name][0] for name in names]
-        return found if len(found) != 1 else found[0]
+        """The pieces ``names`` of the copy ``key``, each its own object (called with ``num_returns=len(names)``,
+        by the new rank that needs them: it owns what it gets)."""
+        return returns([self._held[tuple(key)][name][0] for name in names])
 
 
 def keeper_nodes(rank_nodes: Sequence[str], alive: Sequence[str]) -> list[str]:
@@ -151,7 +147,7 @@ class PeerMemory:
             for index, pieces in copies.items():
                 names = sorted(pieces)
                 refs = call_on([group.actors[rank]], RankActor.copy_pieces, index, names, num_returns=len(names))[0]
-                asked.append((rank, index, pieces, dict(zip(names, refs if isinstance(refs, list) else [refs]))))
+                asked.append((rank, index, pieces, dict(zip(names, listed(refs)))))
         made = [r for *_, sources in asked for r in sources.values()]
         # made before the group is torn down: a rank ended in the middle of the call leaves nothing
         done = set(ray.wait(made, num_returns=len(made), timeout=max(0.1, deadline - time.monotonic()),
