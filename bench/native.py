@@ -17,13 +17,14 @@ import time
 HELD = 32  # batches the "batches" feed holds
 
 
-def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool = False) -> None:
+def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool = False, eager: bool = False) -> None:
     """``feed``: "loader" (Paddle's shard_dataloader over a paddle.io.DataLoader, what a native
     user runs), "ideal" (the first batch, fed again at every step: no data cost at all) or
     "batches" (`HELD` of the loader's batches, read beforehand and fed in turn: no loader at
     step time, but each step's batch is another one, as in any real loop, and not in the cache).
     ``chunked``: after the warm-up, N steps at each line "N" on stdin (bench/paired.py); the
-    loader's data is then ``warmup + steps`` batches, epoch after epoch."""
+    loader's data is then ``warmup + steps`` batches, epoch after epoch. ``eager``: no DistModel, the
+    layer run eagerly on the loader's dist tensors (``loss.backward()``, ``optimizer.step()``)."""
     import numpy as np
     import paddle
     import paddle.distributed as dist
@@ -41,8 +42,19 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool
     loader = dist.shard_dataloader(paddle.io.DataLoader(dataset, batch_size=b, drop_last=True),
                                    meshes=models.mesh(name), shard_dims="dp")  # fmt: skip
     layer = models.build_layer(name)
-    dm = dist.to_static(layer, loader, models.loss(name), paddle.optimizer.AdamW(1e-3, parameters=layer.parameters()))
-    dm.train()
+    optimizer = paddle.optimizer.AdamW(1e-3, parameters=layer.parameters())
+    if eager:
+        loss_fn = models.loss(name)
+
+        def dm(x, y):
+            loss = loss_fn(layer(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.clear_grad()
+            return loss._local_value()  # the rank's own value, read as static's fetch is
+    else:
+        dm = dist.to_static(layer, loader, models.loss(name), optimizer)
+        dm.train()
     times, waits, losses, first = [], [], [], None
     progress = os.environ.get("RAYDIST_BENCH_PROGRESS") == "1"
     it = (batch for _ in iter(int, 1) for batch in loader())  # epoch after epoch: chunks run on and on
@@ -58,7 +70,7 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool
             x, y = held[i % HELD] if held else next(it)
         got = time.perf_counter()
         losses.append(float(dm(x, y)))
-        if i == 0:  # built: raydist.compat.executor keys it once, as raydist's ranks do
+        if i == 0 and not eager:  # built: raydist.compat.executor keys it once, as raydist's ranks do
             for program in dm._engine._pir_dense_main_progs.values():
                 compat_executor.freeze(program)
         return got - t, time.perf_counter() - t
@@ -92,4 +104,5 @@ def main(name: str, warmup: int, steps: int, feed: str = "loader", chunked: bool
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5], chunked="--chunked" in sys.argv)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5], chunked="--chunked" in sys.argv,
+         eager="--eager" in sys.argv)

@@ -16,6 +16,10 @@ takes one chunk of steps (about ``--seconds`` of native's) in turn, the order ro
   actors that sleep for native's step (timed once at the start) and return: the floor of a
   read every step through actor calls, whose round trip grows when the call takes a while
   (the waiting threads, the driver's and Ray's, go to sleep and must be woken);
+- with ``--dynamic``, *native eager* (bench/native.py ``--eager``: the same layer run eagerly,
+  ``loss.backward()`` and ``optimizer.step()`` on ``shard_dataloader``'s dist tensors, the first
+  batch fed again as *ideal* does) and *raydist dynamic* (``to_static(..., dynamic=True)``, the
+  loss read every 10 steps): what running eagerly costs, natively and through raydist;
 - with "every step" read, a second raydist model whose ranks run a program's ops on Paddle's
   pool of threads, as Paddle does by default (raydist's CPU ranks run them on the step's thread:
   `raydist.env.executor_flags`).
@@ -61,11 +65,12 @@ def _timed(pids: list[int], steps: int, run: Callable[[], None]) -> dict:
 class Native:
     """bench/native.py's ranks, warm, running N steps whenever told."""
 
-    def __init__(self, name: str, warmup: int, feed: str):
+    def __init__(self, name: str, warmup: int, feed: str, eager: bool = False):
         from bench.common import start_native
 
         self._log = tempfile.TemporaryFile("w+")  # not a pipe: nobody reads it until a rank fails
-        self.procs = start_native(name, [str(warmup), "64", feed, "--chunked"], stdin=subprocess.PIPE,
+        flags = ["--chunked"] + (["--eager"] if eager else [])
+        self.procs = start_native(name, [str(warmup), "64", feed, *flags], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self._log, bufsize=1)  # fmt: skip
         self._expect("READY")
 
@@ -102,12 +107,12 @@ class Native:
 class Raydist:
     """One raydist model through its loader, the loop going on chunk after chunk."""
 
-    def __init__(self, name: str, warmup: int, total_steps: int, env_vars: dict | None = None):
-
+    def __init__(self, name: str, warmup: int, total_steps: int, env_vars: dict | None = None,
+                 dynamic: bool = False):  # fmt: skip
         from bench.common import raydist_model, bench_loader, memory_dataset
 
         loader = bench_loader(name, memory_dataset(name, warmup + total_steps))
-        self.dm = raydist_model(name, loader, env_vars=env_vars)
+        self.dm = raydist_model(name, loader, env_vars=env_vars, dynamic=dynamic)
         self._batches = iter(loader())
         self.pids = [r.pid for r in self.dm.ranks]
         for _ in range(warmup):
@@ -171,6 +176,8 @@ class RayFloor:
 FLOOR = "Ray: an actor call to each of 2 actors that do nothing"
 FLOOR_HELD = "Ray: an actor call to each of 2 actors that sleep for a native step ({ms:.2f} ms) and return"
 POOL = "raydist, loss read every step, ops on Paddle's pool of threads (FLAGS_new_executor_serial_run=0)"
+NATIVE_EAGER = "native eager (dygraph auto-parallel), ideal"
+DYNAMIC = "raydist dynamic (dynamic=True), loss read every 10"
 UNRECORDED = "raydist, loss read never, no step record and no metrics (RAYDIST_RECORD=0)"
 
 
@@ -181,7 +188,7 @@ def chunk_steps(seconds: float, step: float, every: list[int]) -> int:
 
 
 def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list[str],
-                record_off: bool = False) -> list[str]:  # fmt: skip
+                record_off: bool = False, dynamic: bool = False) -> list[str]:  # fmt: skip
     ideal = Native(name, warmup, "ideal")
     opened = [ideal]
     try:
@@ -209,6 +216,13 @@ def paired_rows(name: str, rounds: int, seconds: float, warmup: int, reads: list
             pool = Raydist(name, warmup, (rounds + 1) * steps, {"FLAGS_new_executor_serial_run": "0"})
             opened.append(pool)
             runners[POOL] = lambda: pool.chunk(steps, 1)
+        if dynamic:  # eager steps, natively and through raydist (raydist.worker.eager)
+            eager = Native(name, warmup, "ideal", eager=True)
+            opened.append(eager)
+            runners[NATIVE_EAGER] = lambda: eager.chunk(steps)
+            ours_eager = Raydist(name, warmup, (rounds + 1) * steps, dynamic=True)
+            opened.append(ours_eager)
+            runners[DYNAMIC] = lambda: ours_eager.chunk(steps, 10)
         runners[FLOOR] = lambda: floor.chunk(steps)
         if "every step" in reads:  # a call that takes a step's time: Ray's threads sleep while they wait
             held_floor = RayFloor(native_step := ideal.chunk(steps)["step"])
@@ -242,8 +256,8 @@ def table_rows(name: str, chunks: dict[str, list[dict]]) -> list[str]:
 
 
 def paired_table(names: list[str], rounds: int, seconds: float, warmup: int, reads: list[str],
-                 record_off: bool = False) -> str:  # fmt: skip
-    rows = [row for name in names for row in paired_rows(name, rounds, seconds, warmup, reads, record_off)]
+                 record_off: bool = False, dynamic: bool = False) -> str:  # fmt: skip
+    rows = [row for name in names for row in paired_rows(name, rounds, seconds, warmup, reads, record_off, dynamic)]
     header = ("| model | runner | step (ms) | x native ideal, same round | rounds' range | x native DataLoader "
               "| rank CPU per step (ms) | x native ideal's rank CPU | stolen per step (ms) |")  # fmt: skip
     return "\n".join([header, "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rows])

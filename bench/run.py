@@ -194,6 +194,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--seconds", type=float, default=1.0, help="about how long native's chunk of steps takes")
     sub.add_argument("--record-off", action="store_true",
                      help="also a raydist model whose ranks keep no step record and export no metrics")  # fmt: skip
+    sub.add_argument("--dynamic", action="store_true",
+                     help="also native eager Paddle and a raydist model in dynamic mode (dynamic=True)")
     sub = command("profile", "where rank 0's time goes in a loop of small steps, next to native (bench/profile.py)")
     sub.add_argument("--models", default="mlp-mp2", help="comma-separated")
     sub.add_argument("--seconds", type=int, default=20, help="how long py-spy samples each loop")
@@ -289,7 +291,7 @@ def main(argv=None) -> None:
             from bench.paired import paired_table
 
             table = paired_table(args.models.split(","), args.rounds, args.seconds, args.warmup,
-                                 args.reads.split(","), args.record_off)  # fmt: skip
+                                 args.reads.split(","), args.record_off, args.dynamic)  # fmt: skip
         elif args.what == "profile":
             from bench.profile import profile_table
 

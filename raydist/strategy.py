@@ -53,6 +53,28 @@ def check(strategy: Any, use_gpu: bool) -> None:
             )
 
 
+# Sections only static programs apply: a dynamic model's ranks run the layer as written.
+_STATIC_PASSES = ("recompute", "fused_passes", "mp_optimization", "sp_optimization")
+
+
+def check_dynamic(strategy: Any) -> None:
+    """Refuse what dynamic mode (``dynamic=True``, `raydist.worker.eager`) cannot run; warn about
+    the static passes it leaves out."""
+    if strategy is None:
+        return
+    for section, why in (("pipeline", "its schedules (1F1B, VPP...) are built into static programs"),
+                         ("gradient_merge", "its accumulation over micro-batches is built into static programs"),
+                         ("amp", "dynamic mode does not yet cast (use paddle.amp.auto_cast in the layer's forward)")):
+        if getattr(strategy, section).enable:
+            raise UsageError(f"strategy.{section} runs in the static mode only ({why}): build the model with "
+                             "dynamic=False, or leave the section off")
+    for section in _STATIC_PASSES:
+        config = getattr(strategy, "_" + section, None) or getattr(strategy, section, None)
+        if getattr(config, "enable", False):
+            warnings.warn(f"dynamic mode runs the layer as written and leaves out strategy.{section}, a pass "
+                          "of static programs", stacklevel=3)
+
+
 def micro_batches(strategy: Any, mode: str) -> int:
     """How many micro-batches a step of ``mode`` splits each rank's batch into.
 

@@ -12,6 +12,7 @@ with a clear `CompatError` instead of running a stale patch, and a test in
 - `stages`: parameters of other pipeline stages, resharded eagerly (CPU builds only).
 - `degree`: a pipeline's ``pp_degree`` from its stage meshes when left at 1 (CPU builds only).
 - `groups`: gloo process groups after the global one, each with a rendezvous of its own (CPU builds only).
+- `reshard`: eager partial-to-sharded resharding (sharding in dynamic mode) without reduce-scatter (CPU builds only).
 - `engine`: the static engine's predict and eval-only defects (all devices).
 - `executor`: the executor's per-step printing of the whole program (all devices).
 - `dy2static`: PaddleFormers' configs, whose inherited ``super()`` calls dy2static turns into a recursion (all devices).
@@ -75,12 +76,12 @@ def apply(use_gpu: bool) -> list[str]:
             stacklevel=2,
         )
     disabled = disabled_fixes()
-    from . import collectives, degree, dy2static, engine, executor, groups, rings, stages
+    from . import collectives, degree, dy2static, engine, executor, groups, reshard, rings, stages
 
     fixes = [("engine", engine.apply), ("executor", executor.apply), ("dy2static", dy2static.apply)]
     if not use_gpu:
         fixes += [("rings", rings.apply), ("collectives", collectives.apply), ("stages", stages.apply),
-                  ("degree", degree.apply), ("groups", groups.apply)]  # fmt: skip
+                  ("degree", degree.apply), ("groups", groups.apply), ("reshard", reshard.apply)]  # fmt: skip
     applied = []
     for name, fix in fixes:
         if name not in disabled:

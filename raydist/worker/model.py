@@ -1,4 +1,4 @@
-"""A rank's model service: the layer, its static DistModel, its steps and its state."""
+"""A rank's model service: the layer, its static DistModel (or its eager run), its steps and its state."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, Re
 from ..specs import TensorSpec
 from ..strategy import pipeline_stages
 from ..topology import Mesh, ModePlan
+from .conversion import explain
+from .eager import EagerRunner, replicate_dense
 from .runner import StaticRunner
 from .schedule import RankSchedule
 from .mirror import Mirror
@@ -33,7 +35,7 @@ class ModelService:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.runner: StaticRunner | None = None
+        self.runner: StaticRunner | EagerRunner | None = None
         self.schedule: RankSchedule | None = None
         self.collect = False  # whether the driver reads this rank's step results (set per mode)
         self._thread_device = None
@@ -55,8 +57,9 @@ class ModelService:
         return self.runner.mode if self.runner is not None else None
 
     def build(self, payload: bytes) -> BuildReport:
-        """Build the layer and the optimizer; the meshes of the layer's parameters, in order."""
-        build_layer, loss, optimizer_factory, strategy, metrics = pickling.loads(payload)
+        """Build the layer and the optimizer; the meshes of the layer's parameters, in order.
+        A dynamic model's layer runs eagerly (`raydist.worker.eager`), else as Paddle's static DistModel."""
+        build_layer, loss, optimizer_factory, strategy, metrics, dynamic = pickling.loads(payload)
         layer = build_layer()
         if not isinstance(layer, paddle.nn.Layer):
             raise UsageError(f"build_layer must return a paddle.nn.Layer, it returned {type(layer).__name__}")
@@ -73,6 +76,9 @@ class ModelService:
                 f"(num_workers={self.world_size}): raise num_workers to {max(beyond) + 1}"
             )
         pipeline_stages(strategy, meshes, self.world_size)
+        if dynamic:  # before the optimizer is made: it holds the parameters it is given
+            replicate_dense(layer, max(meshes, key=lambda m: len(m.process_ids)) if meshes else
+                            Mesh.of(list(range(self.world_size)), ["dp"]))  # fmt: skip
         optimizer = optimizer_factory(layer.parameters()) if optimizer_factory is not None else None
         if optimizer is None and optimizer_factory is not None:
             raise UsageError("optimizer: the factory returned None, not a paddle.optimizer.Optimizer (does it "
@@ -87,8 +93,11 @@ class ModelService:
             from ..compat.engine import shard_by_strategy
 
             optimizer = shard_by_strategy(optimizer, strategy, layer.parameters())
-        self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
-        self.schedule = RankSchedule(optimizer)
+        if dynamic:
+            self.runner = EagerRunner(layer, loss, optimizer, metrics)
+        else:
+            self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
+        self.schedule = RankSchedule(optimizer, static=not dynamic)
         return BuildReport(meshes, self.schedule.report())
 
     def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
@@ -106,8 +115,11 @@ class ModelService:
         try:
             plan = self.runner.set_mode(mode)
         except Exception as e:
+            why = explain(mode, e)
+            if why is not None:
+                raise UsageError(why) from None  # Paddle's own message is in it
             raise UsageError(f"the {mode} program cannot be built for these inputs: {type(e).__name__}: {e}") from e
-        if mode == "train" and not built:
+        if mode == "train" and not built and isinstance(self.runner, StaticRunner):
             self.schedule.built(compat_engine.dense_program(self.runner.engine, "train"))
         self.collect = self.rank in plan.readers()
         return plan

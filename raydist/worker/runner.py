@@ -56,21 +56,27 @@ def _reduce_name(reduce_type) -> str:
     return _REDUCE_NAMES.get(int(getattr(reduce_type, "value", reduce_type)), str(reduce_type))
 
 
+def placements(layout: Layout) -> list:
+    """Paddle's placements of a layout without partial values (a batch's)."""
+    out = [dist.Replicate() for _ in layout.mesh.shape]
+    for tensor_dim, mesh_dim in enumerate(layout.dims_mapping):
+        if mesh_dim >= 0:
+            out[mesh_dim] = dist.Shard(tensor_dim)
+    return out
+
+
 def paddle_spec(spec: TensorSpec, micro_batches: int = 1) -> DistributedInputSpec:
     """Paddle's spec of a GLOBAL input; programs that split batches into
     ``micro_batches`` (gradient merge, pipelines) are built for one micro-batch,
     as Paddle's ``Engine._validate_spec`` does."""
     mesh = spec.layout.mesh.to_paddle()
-    placements = [dist.Replicate() for _ in spec.layout.mesh.shape]
-    for tensor_dim, mesh_dim in enumerate(spec.layout.dims_mapping):
-        if mesh_dim >= 0:
-            placements[mesh_dim] = dist.Shard(tensor_dim)
     shape = list(spec.shape)
     shape[0] //= micro_batches
     # Data takes no gradient, as in Paddle's own specs from a DataLoader: the default (False)
     # differentiates the program through its inputs and labels, which costs each step the
     # gradient ops of the first layer's input and, on a column-parallel one, an all-reduce.
-    return DistributedInputSpec(shape, spec.dtype, spec.name, stop_gradient=True, mesh=mesh, placements=placements)
+    return DistributedInputSpec(shape, spec.dtype, spec.name, stop_gradient=True, mesh=mesh,
+                                placements=placements(spec.layout))
 
 
 class StaticRunner:

@@ -23,8 +23,9 @@ from ..messages import LrChange
 class RankSchedule:
     """The learning rate of one rank's optimizer (None: no optimizer)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, static: bool = True):
         self._optimizer = getattr(optimizer, "_inner_opt", optimizer)  # dist.shard_optimizer's wrapper
+        self._static = static  # else the optimizer runs eagerly and reads its rate itself
         self._var: str | None = None  # the scope variable train programs read, once built
         self._changed = True
 
@@ -49,8 +50,10 @@ class RankSchedule:
                 self.scheduler.step(*change.args, **change.kwargs)
             elif change.kind == "state":
                 self.scheduler.set_state_dict(change.args[0])
-            elif change.kind == "value":
+            elif change.kind == "value" and self._static:
                 self._optimizer._learning_rate = float(change.args[0])
+            elif change.kind == "value":  # eager: the rate's tensor is made once, set_lr updates it
+                self._optimizer.set_lr(float(change.args[0]))
             else:
                 raise ValueError(f"unknown learning-rate change {change.kind!r}")
         self._changed = True

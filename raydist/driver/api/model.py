@@ -132,6 +132,13 @@ class DistModel:
             than the last check that passed and replays the steps since. None: off.
         replica_mismatch: "raise" (the error above) or "warn" (logged, and the
             run goes on).
+        dynamic: the ranks run the layer eagerly, in Paddle's dynamic auto-parallel
+            (dist tensors, ``loss.backward()``, ``optimizer.step()``), instead of a
+            program dy2static converts: for layers it cannot convert (Python on a
+            tensor's value, objects it refuses). The same driver API, state and
+            checkpoints (a static model's load into a dynamic one and back);
+            ``strategy.sharding`` through ``dist.shard_optimizer``. Pipelines and
+            gradient merge run in the static mode only. See `raydist.worker.eager`.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -166,14 +173,15 @@ class DistModel:
         peer_memory: int | None = None,
         check_replicas: int | None = None,
         replica_mismatch: str = "raise",
+        dynamic: bool = False,
     ) -> None:
         check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, max_in_flight=max_in_flight,
                         steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks, name=name,
                         detached=detached, peer_memory=peer_memory,
-                        check_replicas=check_replicas, replica_mismatch=replica_mismatch)  # fmt: skip
+                        check_replicas=check_replicas, replica_mismatch=replica_mismatch, dynamic=dynamic)  # fmt: skip
         inputs, labels = input_specs(input_spec, loader)
         sizes = group_sizes(num_workers, (inputs or []) + (labels or []), loader, spare_ranks)
-        payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or [])),
+        payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or []), dynamic),
                                  "the layer builder, loss, optimizer or strategy")  # fmt: skip
         specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES},
                            micro_batch_size(strategy))  # fmt: skip

@@ -12,7 +12,7 @@ import ray
 
 from ...data.loader import ShardDataloader
 from ...specs import from_input_spec, spec_of
-from ...strategy import check as check_strategy
+from ...strategy import check as check_strategy, check_dynamic
 from ..cluster.sizes import Sizes, sizes_of
 from .inputs import leaves, to_array
 from ..dispatch.window import check_window
@@ -23,7 +23,7 @@ DISPATCH = ("auto", "compiled", "calls", "tree")
 def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gpu: bool, max_in_flight: Any,
                     steps_per_message: Any, dispatch: Any, spare_ranks: Any, name: Any = None,
                     detached: bool = False, peer_memory: Any = None, check_replicas: Any = None,
-                    replica_mismatch: Any = "raise") -> None:  # fmt: skip
+                    replica_mismatch: Any = "raise", dynamic: Any = False) -> None:  # fmt: skip
     """Refuse arguments that cannot make a model (see `raydist.DistModel` for what each takes)."""
     import paddle
 
@@ -59,7 +59,8 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
         if not isinstance(strategy, paddle.distributed.Strategy):
             raise TypeError(f"strategy must be a paddle.distributed.Strategy, got {type(strategy).__name__}")
         if not strategy.full_graph:
-            raise ValueError("strategy.full_graph=False asks Paddle for a dygraph model; raydist runs the static DistModel")
+            raise ValueError("strategy.full_graph=False asks Paddle for a dygraph model: in raydist, build it with "
+                             "dynamic=True (the ranks run the layer eagerly)")
     if metrics is not None and not isinstance(metrics, (list, tuple)):
         raise TypeError(f"metrics must be a list, got {type(metrics).__name__}")
     for metric in metrics or []:
@@ -80,6 +81,10 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
     if detached:
         _check_detached(name, dispatch, spare_ranks)
     check_strategy(strategy, use_gpu)
+    if not isinstance(dynamic, bool):
+        raise TypeError(f"dynamic must be True or False, got {dynamic!r}")
+    if dynamic:
+        check_dynamic(strategy)
 
 
 def _check_detached(name: Any, dispatch: str, spare_ranks: int) -> None:
