@@ -196,17 +196,14 @@ def flip_a_bit_on_rank_2_after_step_5():
         model = self.model
         if self.rank == 2 and model.trained >= 5 and not os.path.exists(os.environ["RAYDIST_TEST_FLAG"]):
             import numpy as np
-            import paddle
 
-            engine = model.runner.model._engine
-            program = engine._pir_dist_main_progs[engine._mode]
-            tensors = program.state_dict("param", paddle.static.global_scope())
-            var = sorted(tensors)[0]
-            array = np.array(tensors[var])
+            state = model.runner.state_dict("param")  # static or dynamic: the rank's own pieces, copied
+            name = sorted(state)[0]
+            array = np.array(state[name][0])
             array.reshape(-1).view(np.uint32)[0] ^= 1 << 12  # a low bit of the mantissa: a small change
-            tensors[var].set(array, paddle.CPUPlace())
+            model.runner.set_pieces(lambda held: [(name, array)])
             with open(os.environ["RAYDIST_TEST_FLAG"], "w") as f:
-                f.write(var)
+                f.write(name)
         return results
 
     run_then_flip.__dict__.update(run.__dict__)  # its concurrency group

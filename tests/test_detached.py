@@ -21,14 +21,16 @@ def loader(rows: Pairs):
     return raydist.shard_dataloader(rows, MESH, shard_dims="dp", batch_size=8, shuffle=True, seed=3)
 
 
-def test_attach_takes_over_a_loader_run_at_its_step_with_its_schedule_and_it_ends_as_one_process():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_attach_takes_over_a_loader_run_at_its_step_with_its_schedule_and_it_ends_as_one_process(dynamic):
     """3 steps of a shuffled loader epoch; attach(take_over=True, loader=a new loader) in the same mode, at
     step 3, at the schedule's value; the epoch's 3 other steps from loader.epoch(0, 3): one process's
     losses and parameters. The driver taken over is refused from then on, and its shutdown leaves the ranks."""
     rows = Pairs(48)
+    name = f"detached-loader-{'dynamic' if dynamic else 'static'}"
     first = loader(rows)
     dm = raydist.to_static(build("dp"), first, paddle.nn.MSELoss(), scheduled_sgd("step"), num_workers=2,
-                           name="detached-loader", detached=True)  # fmt: skip
+                           name=name, detached=True, dynamic=dynamic)  # fmt: skip
     again = None
     try:
         epoch = first.epoch(0)
@@ -36,14 +38,14 @@ def test_attach_takes_over_a_loader_run_at_its_step_with_its_schedule_and_it_end
         for _ in range(3):
             before.append(float(dm(*next(epoch))))
             dm.lr_scheduler.step()  # the third change is not sent before the takeover: it is caught up
-        pids = [s.pid for s in raydist.status() if s.group == "detached-loader"]
-        assert len(pids) == 2 and all(s.detached for s in raydist.status() if s.group == "detached-loader")
+        pids = [s.pid for s in raydist.status() if s.group == name]
+        assert len(pids) == 2 and all(s.detached for s in raydist.status() if s.group == name)
 
         second = loader(rows)
-        again = raydist.attach("detached-loader", loader=second, take_over=True)
+        again = raydist.attach(name, loader=second, take_over=True)
         assert (again.mode, again.num_workers, again.step) == ("train", 2, 3)
         assert again.lr_scheduler.last_lr == dm.lr_scheduler.last_lr == 0.05
-        assert sorted(s.pid for s in raydist.status() if s.group == "detached-loader") == sorted(pids)
+        assert sorted(s.pid for s in raydist.status() if s.group == name) == sorted(pids)
         with pytest.raises(raydist.GroupShutdownError, match="taken over by the driver with pid"):
             dm(*next(epoch))
         dm.shutdown()  # it only lets go: the ranks are the new holder's
@@ -61,8 +63,8 @@ def test_attach_takes_over_a_loader_run_at_its_step_with_its_schedule_and_it_end
         assert_params_equal(params, ref.params())
     finally:
         (again or dm).shutdown()
-    assert "detached-loader" not in raydist.driver.lifecycle.detached.models()
-    assert not [s for s in raydist.status() if s.group == "detached-loader"]
+    assert name not in raydist.driver.lifecycle.detached.models()
+    assert not [s for s in raydist.status() if s.group == name]
 
 
 def test_attach_is_refused_while_held_names_the_models_there_are_and_keeps_eval_mode():

@@ -9,9 +9,12 @@ has no workaround. Tensor parallel uses PaddleFormers' own plan (``auto_dist_con
 import hashlib
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import paddle
@@ -174,4 +177,37 @@ def test_in_an_environment_with_paddleformers_from_pip():
     env.pop("RAY_ADDRESS", None)
     run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
-    assert run.returncode == 0 and "5 passed, 1 skipped" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "6 passed, 1 skipped" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+
+
+@here
+@pytest.mark.timeout(900)
+def test_the_example_trains_is_interrupted_resumes_and_ends_as_an_uninterrupted_dynamic_run(tmp_path):
+    """examples/paddleformers_llama.py as a user runs it (its own process and local Ray), mp2, 30 steps:
+    interrupted (Ctrl-C) once its checkpoint after step 10 is complete, then run again with --resume;
+    it ends with the losses of an uninterrupted run in dynamic mode (--dynamic), and the loss fell."""
+    def run(out, *flags, interrupt_after=None):
+        cmd = [sys.executable, str(REPO / "examples" / "paddleformers_llama.py"), "--out", str(out), "--steps", "30"]
+        env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rdex", dir="/tmp")}
+        env.pop("RAY_ADDRESS", None)
+        with open(tmp_path / "log", "w+") as log:
+            process = subprocess.Popen([*cmd, *flags], env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            if interrupt_after is not None:
+                while not any(p.endswith(interrupt_after) for p in raydist.checkpoint.complete(str(out))):
+                    assert process.poll() is None, "the run ended before its checkpoint"
+                    time.sleep(0.2)
+                process.send_signal(signal.SIGINT)
+            code = process.wait(timeout=600)
+            log.seek(0)
+            return code, log.read()
+
+    code, printed = run(tmp_path / "a", interrupt_after="step-00000010")
+    assert code != 0 and "KeyboardInterrupt" in printed, printed[-3000:]
+    code, resumed = run(tmp_path / "a", "--resume")
+    assert code == 0, resumed[-3000:]
+    code, dynamic = run(tmp_path / "b", "--dynamic")
+    assert code == 0, dynamic[-3000:]
+    pattern = r"loss ([\d.]+) -> ([\d.]+) over 30 steps"
+    (first, last), (first_d, last_d) = (map(float, re.search(pattern, out).groups()) for out in (resumed, dynamic))
+    assert last < first - 1.0, resumed[-2000:]
+    assert abs(first - first_d) < 1e-4 and abs(last - last_d) < 1e-3 * abs(last), (resumed[-1000:], dynamic[-1000:])

@@ -345,14 +345,15 @@ def _flip(tmp_path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_flipped_bit_in_one_replica_is_caught_at_the_next_check_and_restart_goes_back_before_it(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_flipped_bit_in_one_replica_is_caught_at_the_next_check_and_restart_goes_back_before_it(dynamic, tmp_path):
     """dp2 x mp2, AdamW, check_replicas=2 and peer_memory=2; a bit of a parameter flips on rank 2
     after step 5. The check after step 6 finds ranks 0 and 2 (its two replicas: no majority)
     disagree on that one parameter, at a later call; restart() goes back to the copy after step 4
     (the last check that passed), replays, and the run ends as one process."""
     data, ref = batches(12, seed=9), Reference(adamw())
     with raydist.to_static(build("dpmp"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=4,
-                           peer_memory=2, check_replicas=2, runtime_env=_flip(tmp_path)) as dm:  # fmt: skip
+                           peer_memory=2, check_replicas=2, runtime_env=_flip(tmp_path), dynamic=dynamic) as dm:  # fmt: skip
         names = set(dm.state_dict("param"))
         caught, i = None, 0
         while i < len(data):
@@ -450,14 +451,15 @@ def test_a_detached_model_with_peer_memory_comes_back_from_it_and_its_keepers_en
 
 
 @pytest.mark.slow
-def test_after_an_elastic_resize_a_killed_rank_comes_back_from_peer_memory():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_after_an_elastic_resize_a_killed_rank_comes_back_from_peer_memory(dynamic):
     """An elastic model, (2, 4) ranks of dp x mp2, peer_memory=2: at 4 ranks for 3 steps, moved to
     2 (the state handed over live; the group's copies start from it), then rank 1 killed after
     2 more steps: at 2 ranks no replica holds its shard, and peer memory's copy after 4 steps
     and one step replayed bring it back as one process."""
     data, ref = batches(9, seed=3), Reference(adamw())
     with raydist.to_static(build("elastic"), loss=paddle.nn.MSELoss(), optimizer=adamw(), num_workers=(2, 4),
-                           peer_memory=2) as dm:  # fmt: skip
+                           peer_memory=2, dynamic=dynamic) as dm:  # fmt: skip
         assert dm.num_workers == 4
         for x, y in data[:3]:
             assert_close(float(dm(x, y)), ref.train(x, y))

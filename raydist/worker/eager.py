@@ -47,6 +47,7 @@ class EagerRunner:
         self.mode: str | None = None
         self._plans: dict[str, ModePlan] = {}
         self.specs: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])
+        self._placed: dict[Layout, tuple] = {}  # an input's layout -> Paddle's mesh and placements
         if optimizer is not None:
             _create_accumulators(optimizer)  # the optimizer's state exists before the first step, as in static
 
@@ -108,13 +109,12 @@ class EagerRunner:
             groups += [_flat(m.compute(*outputs, *labels)) for m in self.metrics]
         return groups
 
-    @staticmethod
-    def _tensor(local: np.ndarray, spec: TensorSpec):
+    def _tensor(self, local: np.ndarray, spec: TensorSpec):
         """This rank's piece of an input as a dist tensor of the global batch."""
-        layout = spec.layout
-        return dist.auto_parallel.api.dtensor_from_local(
-            paddle.to_tensor(np.ascontiguousarray(local)), layout.mesh.to_paddle(), placements(layout)
-        )
+        placed = self._placed.get(spec.layout)
+        if placed is None:  # a ProcessMesh costs more to make than the rest of this together
+            placed = self._placed[spec.layout] = (spec.layout.mesh.to_paddle(), placements(spec.layout))
+        return dist.auto_parallel.api.dtensor_from_local(paddle.to_tensor(np.ascontiguousarray(local)), *placed)
 
     def program(self, kind: str, mode: str | None) -> str:
         raise UsageError("a dynamic-mode model (dynamic=True) runs its layer eagerly: it has no programs")
