@@ -17,7 +17,7 @@ eval mode, so dropout draws nothing) on zeros of the batch's shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import paddle
@@ -27,14 +27,14 @@ from ..errors import UsageError
 from ..handover import global_shape
 from ..specs import TensorSpec
 from ..topology import Layout, Mesh, ModePlan
-from .runner import Values, layout_of_tensor, placements
+from .runner import Runner, layout_of_tensor, placements
 
 # Paddle names a parameter on a mesh "<name>.dist" ("linear_0.w_0.dist"), and its optimizer
 # state after it ("linear_0.w_0.dist_moment1_0"); static state names drop it (compat.engine), so do these.
 _DIST = ".dist_"
 
 
-class EagerRunner:
+class EagerRunner(Runner):
     """One rank's dynamic-mode model: modes, steps and state, the interface of `StaticRunner`."""
 
     updates_last = False  # the optimizer's communication (sharding's gathers) may follow some updates
@@ -51,18 +51,9 @@ class EagerRunner:
         if optimizer is not None:
             _create_accumulators(optimizer)  # the optimizer's state exists before the first step, as in static
 
-    @property
-    def modes(self) -> set[str]:
-        """The modes entered so far."""
-        return set(self._plans)
-
-    def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
-        self.specs = (inputs, labels)
-
     def set_mode(self, mode: str) -> ModePlan:
         if mode not in self._plans:
-            inputs, labels = self.specs
-            specs = inputs if mode == "predict" else inputs + labels
+            specs = self.mode_specs(mode)
             zeros = [s.layout.local(np.broadcast_to(np.zeros((), s.dtype), s.shape), 0) for s in specs]  # views
             self.layer.eval()
             with paddle.no_grad():
@@ -74,16 +65,9 @@ class EagerRunner:
         self.mode = mode
         return self._plans[mode]
 
-    def local(self, arrays, rank: int) -> list:
-        """This rank's pieces of a global batch (views), by the current mode's specs."""
-        inputs, labels = self.specs
-        specs = inputs if self.mode == "predict" else inputs + labels
-        return [spec.layout.local(a, rank) for spec, a in zip(specs, arrays)]
-
     def step(self, arrays, collect: bool):
         """Run one step on this rank's local batch; the local results if ``collect``."""
-        inputs, labels = self.specs
-        specs = inputs if self.mode == "predict" else inputs + labels
+        specs = self.mode_specs()
         tensors = [self._tensor(a, s) for a, s in zip(arrays, specs)]
         if self.mode == "train":
             groups = self._run("train", tensors)
@@ -147,19 +131,7 @@ class EagerRunner:
             out[name] = (global_shape(tuple(local.shape), layout), dtype, layout)
         return out
 
-    def set_state(self, full: Values | Callable[[set[str]], Values], rank: int) -> None:
-        """Set the named tensors from FULL values; this rank keeps its own shard (as `StaticRunner.set_state`)."""
-
-        def pieces(held: dict[str, Layout | None]) -> Iterator[tuple[str, np.ndarray]]:
-            for name, value in (full(set(held)) if callable(full) else full).items():
-                if name in held:
-                    layout = held[name]
-                    yield name, value if layout is None else layout.local(value, rank)
-
-        self.set_pieces(pieces)
-
     def set_pieces(self, pieces: Callable[[dict[str, Layout | None]], Iterable[tuple[str, np.ndarray]]]) -> None:
-        """Set this rank's own pieces (as `StaticRunner.set_pieces`)."""
         tensors = self._tensors("all")
         held = {n: layout_of_tensor(t) if t.is_dist() else None for n, t in tensors.items()}
         for name, local in pieces(held):

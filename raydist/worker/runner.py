@@ -79,7 +79,52 @@ def paddle_spec(spec: TensorSpec, micro_batches: int = 1) -> DistributedInputSpe
                                 placements=placements(spec.layout))
 
 
-class StaticRunner:
+class Runner:
+    """What every kind of rank model shares: the modes entered, the batch's specs, setting state.
+    `StaticRunner` runs converted programs, `raydist.worker.eager.EagerRunner` the layer itself."""
+
+    mode: str | None
+    specs: tuple[list[TensorSpec], list[TensorSpec]]
+    _plans: dict[str, ModePlan]
+
+    @property
+    def modes(self) -> set[str]:
+        """The modes built (entered) so far."""
+        return set(self._plans)
+
+    def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
+        """The global specs of inputs and labels (labels may come later, before train/eval)."""
+        self.specs = (inputs, labels)
+
+    def mode_specs(self, mode: str | None = None) -> list[TensorSpec]:
+        """The specs of what a step of ``mode`` (default: the current one) is fed: predict takes no labels."""
+        inputs, labels = self.specs
+        return inputs if (mode or self.mode) == "predict" else inputs + labels
+
+    def local(self, arrays, rank: int) -> list:
+        """This rank's pieces of a global batch (views), by the current mode's specs."""
+        return [spec.layout.local(a, rank) for spec, a in zip(self.mode_specs(), arrays)]
+
+    def set_state(self, full: Values | Callable[[set[str]], Values], rank: int) -> None:
+        """Set the named tensors from FULL values; this rank keeps its own shard. ``full``: the
+        values, or a function that reads those of the names it is given (a checkpoint's):
+        the tensors this rank holds."""
+
+        def pieces(held: dict[str, Layout | None]) -> Iterator[tuple[str, np.ndarray]]:
+            for name, value in (full(set(held)) if callable(full) else full).items():
+                if name in held:  # not another pipeline stage's
+                    layout = held[name]
+                    yield name, value if layout is None else layout.local(value, rank)
+
+        self.set_pieces(pieces)
+
+    def set_pieces(self, pieces: Callable[[dict[str, Layout | None]], Iterable[tuple[str, np.ndarray]]]) -> None:
+        """Set this rank's own pieces: ``pieces({name: layout})``, given the tensors this rank holds and their
+        layouts (None: whole), gives (name, local array) of those to set, one at a time."""
+        raise NotImplementedError
+
+
+class StaticRunner(Runner):
     """One rank's static DistModel: modes, steps, programs and state."""
 
     def __init__(self, layer, loss, optimizer, strategy, metrics):
@@ -100,15 +145,6 @@ class StaticRunner:
         self.specs: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])
         # whether a train step that fails in a collective has updated nothing (compat.engine, behaviour 8)
         self.updates_last = False
-
-    @property
-    def modes(self) -> set[str]:
-        """The modes built so far."""
-        return set(self._plans)
-
-    def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
-        """The global specs of inputs and labels (labels may come later, before train/eval)."""
-        self.specs = (inputs, labels)
 
     def set_mode(self, mode: str) -> ModePlan:
         if mode not in self._plans:
@@ -137,12 +173,6 @@ class StaticRunner:
         compat_engine.use_mode(self.engine, mode)
         self.mode = mode
         return self._plans[mode]
-
-    def local(self, arrays, rank: int) -> list:
-        """This rank's pieces of a global batch (views), by the current mode's specs."""
-        inputs, labels = self.specs
-        specs = inputs if self.mode == "predict" else inputs + labels
-        return [spec.layout.local(a, rank) for spec, a in zip(specs, arrays)]
 
     def step(self, arrays, collect: bool):
         """Run one step on this rank's local batch; the local results if ``collect``."""
@@ -203,22 +233,7 @@ class StaticRunner:
         """{structured name: (global shape, dtype, layout)} of the state (``mode`` as `state_dict`)."""
         return {name: (shape, str(array.dtype), layout) for name, (_, array, layout, shape) in self._state(mode).items()}
 
-    def set_state(self, full: Values | Callable[[set[str]], Values], rank: int) -> None:
-        """Set the named tensors from FULL values; this rank keeps its own shard. ``full``: the
-        values, or a function that reads those of the names it is given (a checkpoint's):
-        the tensors this rank holds."""
-
-        def pieces(held: dict[str, Layout | None]) -> Iterator[tuple[str, np.ndarray]]:
-            for name, value in (full(set(held)) if callable(full) else full).items():
-                if name in held:  # not another pipeline stage's
-                    layout = held[name]
-                    yield name, value if layout is None else layout.local(value, rank)
-
-        self.set_pieces(pieces)
-
     def set_pieces(self, pieces: Callable[[dict[str, Layout | None]], Iterable[tuple[str, np.ndarray]]]) -> None:
-        """Set this rank's own pieces: ``pieces({name: layout})``, given the tensors this rank holds and their
-        layouts (None: whole), gives (name, local array) of those to set, one at a time."""
         if not self._plans:  # the layer's dygraph parameters, before the first build
             params = {name: t for name, t in self.layer.state_dict().items() if _held(t)}
             for name, local in pieces({n: layout_of_tensor(t) if t.is_dist() else None for n, t in params.items()}):
