@@ -22,23 +22,27 @@ _CONSTRUCTS = (
 
 
 def explain(mode: str, error: BaseException) -> str | None:
-    """The message for a failed conversion of ``mode``'s program; None if ``error`` is not dy2static's."""
+    """The message for a failed conversion of ``mode``'s program; None if ``error`` is not dy2static's.
+
+    A refused construct it recognises (`_CONSTRUCTS`) gets dynamic mode as the way out; any other
+    error at the user's line (a batch of a dtype the layer cannot take, say) gets it as a maybe."""
     text = f"{type(error).__name__}: {error}"
     if "In transformed code" not in text:
         return None
     where, marked = _user_frame(text)
-    last = _original_error(text)
     construct = next((what for marker, what in _CONSTRUCTS if marker in text), None)
-    parts = [f"dy2static cannot convert the layer into the {mode} program"]
+    message = f"the {mode} program cannot be built for these inputs"
     if where:
-        parts[0] += f" at {where}" + (f": `{marked}`" if marked else "")
+        message += f": dy2static stopped at {where}" + (f": `{marked}`" if marked else "")
+    said = _original_error(text)
+    if said:
+        message += f"; Paddle says: {said}"
     if construct:
-        parts.append(f"it refuses {construct}")
-    if last:
-        parts.append(f"Paddle says: {last}")
-    parts.append("to run the layer as written, build the model with to_static(..., dynamic=True): the ranks run it "
-                 "eagerly with the same placements, no conversion; or rewrite that line as Paddle's message suggests")
-    return "; ".join(parts)
+        return (f"{message}; dy2static refuses {construct}. To run the layer as written, build the model "
+                "with to_static(..., dynamic=True): the ranks run it eagerly with the same placements, no "
+                "conversion; or rewrite that line as Paddle's message suggests")
+    return (f"{message}. If that line is Python dy2static cannot convert, to_static(..., dynamic=True) runs the "
+            "layer eagerly, as written")
 
 
 def _user_frame(text: str) -> tuple[str | None, str | None]:
@@ -67,10 +71,10 @@ def _previous_code(lines: list[str], here: int) -> str | None:
 
 
 def _original_error(text: str) -> str | None:
-    """The first line of the original error, which closes Paddle's listing of frames."""
-    tail = text.rsplit("<--- HERE", 1)[-1]
-    for line in tail.splitlines():
-        stripped = line.strip()
-        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", stripped):
-            return stripped
+    """The original error, which closes Paddle's listing of frames (at most 1000 characters)."""
+    tail = text.rsplit("<--- HERE", 1)[-1].splitlines()
+    for i, line in enumerate(tail):
+        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line.strip()):
+            said = " ".join(part.strip() for part in tail[i:] if part.strip())
+            return said if len(said) <= 1000 else said[:1000] + " ..."
     return None
