@@ -212,6 +212,12 @@ def data_layout(mesh: Mesh, shard_dims: str | Iterable[str] | None, ndim: int) -
     return Layout(mesh, (first,) + (-1,) * max(ndim - 1, 0))
 
 
+def widest(meshes: Sequence[Mesh], num_workers: int) -> Mesh:
+    """The layer's largest mesh, or all ranks as "dp" if the layer has no dist parameters: where
+    batches lie by default, and where a dynamic model's plain parameters are placed whole."""
+    return max(meshes, key=lambda m: len(m.process_ids)) if meshes else Mesh.of(list(range(num_workers)), ["dp"])
+
+
 def stages(meshes: Sequence[Mesh]) -> bool:
     """Whether some of ``meshes`` share no process: pipeline stages (activations
     cross between them by send/recv)."""

@@ -18,7 +18,7 @@ from ..errors import HandoverLost, UsageError
 from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, Reattached, StepMessage, StepResults
 from ..specs import TensorSpec
 from ..strategy import pipeline_stages
-from ..topology import Mesh, ModePlan
+from ..topology import Mesh, ModePlan, widest
 from .conversion import explain
 from .eager import EagerRunner, replicate_dense
 from .runner import StaticRunner
@@ -77,8 +77,7 @@ class ModelService:
             )
         pipeline_stages(strategy, meshes, self.world_size)
         if dynamic:  # before the optimizer is made: it holds the parameters it is given
-            replicate_dense(layer, max(meshes, key=lambda m: len(m.process_ids)) if meshes else
-                            Mesh.of(list(range(self.world_size)), ["dp"]))  # fmt: skip
+            replicate_dense(layer, widest(meshes, self.world_size))
         optimizer = optimizer_factory(layer.parameters()) if optimizer_factory is not None else None
         if optimizer is None and optimizer_factory is not None:
             raise UsageError("optimizer: the factory returned None, not a paddle.optimizer.Optimizer (does it "

@@ -19,7 +19,7 @@ import numpy as np
 from ...data.loader import Handle
 from ...messages import ArraysStep, LoaderStep, LrChange, StepMessage
 from ...protocol import RankActor
-from ...topology import Mesh, ModePlan, stages
+from ...topology import Mesh, ModePlan, stages, widest
 from .inputs import InputSpecs, Specs, array_specs, to_array
 
 if TYPE_CHECKING:
@@ -164,12 +164,9 @@ def data_meshes(meshes: list[Mesh], num_workers: int) -> tuple[Mesh, Mesh]:
     ``shard_dataloader`` lays them. Otherwise both on the layer's largest
     mesh, or on all ranks as "dp" if the layer has no dist parameters.
     """
-    if not meshes:
-        mesh = Mesh.of(list(range(num_workers)), ["dp"])
-        return mesh, mesh
-    if stages(meshes):
+    if meshes and stages(meshes):
         return meshes[0], meshes[-1]
-    mesh = max(meshes, key=lambda m: len(m.process_ids))
+    mesh = widest(meshes, num_workers)
     return mesh, mesh
 
 
