@@ -16,6 +16,7 @@ from .driver.api.resume import CheckpointInfo, latest_checkpoint
 from .driver.api.status import ModelStatus, RankStatus, models, status
 from .driver.dispatch.window import Loss
 from .errors import GroupShutdownError, RankError, ReplicaMismatchError, UsageError
+from .weights import Weights
 
 __version__ = "0.1.0"
 
@@ -49,6 +50,7 @@ __all__ = [
     "RankStatus",
     "ShardDataloader",
     "UsageError",
+    "Weights",
     "attach",
     "latest_checkpoint",
     "models",

@@ -114,7 +114,7 @@ def stop_command(opts: argparse.Namespace) -> int:
             print(f"raydist stop: {e}", file=sys.stderr)
             return 1
         what = "launched script" if running.kind == "script" else "model"
-        if not opts.force:
+        if not opts.force and running.kind != "script":  # a launcher ends when its ranks are stopped, restarts or not
             print(f"raydist stop: the {what} {opts.name!r} is not detached: it ends with its driver ({running.holder})"
                   "; --force stops its ranks (the driver then fails, naming a rank)", file=sys.stderr)  # fmt: skip
             return 1
@@ -147,6 +147,8 @@ def format_models(found: list) -> str:
         size = f"{m.size} ranks" if m.bounds is None or m.bounds[0] == m.bounds[1] else \
             f"{m.size} ranks (elastic, {m.bounds[0]} to {m.bounds[1]})"
         facts = [size, f"on {len(m.nodes)} node{'s' if len(m.nodes) != 1 else ''}"]
+        if m.kind == "script":
+            facts.append(f"restarted {m.restarts or 0} time{'s' if m.restarts != 1 else ''}")
         if m.kind == "model":
             facts += [f"mode {m.mode or '-'}", f"step {m.step if m.step is not None else '-'}",
                       f"last checkpoint {m.last_checkpoint or 'none'}"]  # fmt: skip

@@ -249,6 +249,18 @@ class RankActor(Member):
         next steps (`saved` waits for the write)."""
         return self.model.save_pieces(directory, names, background)
 
+    @reports_rank
+    def export_offer(self, names: list[str]) -> dict[str, tuple]:
+        """This rank's pieces of the parameters ``names``, in the object store: {name: (Piece, reference)}
+        (`raydist.worker.weights.offer`), for the ranks that write an export."""
+        return self.model.export_offer(names)
+
+    @reports_rank
+    def write_weights(self, directory: str, format: str, files: list, state: Any, prefix: str = "") -> None:
+        """Write the export's ``files`` ((name, tensor names)), each tensor whole, from ``state``'s pieces,
+        named without ``prefix``."""
+        self.model.write_weights(directory, format, files, state, prefix)
+
     @ray.method(concurrency_group=SAVE)
     def saved(self, directory: str) -> str:
         """Wait for the background write of `save_pieces` into ``directory``; the file's name (or its error)."""

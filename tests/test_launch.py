@@ -7,6 +7,8 @@ print what it checks).
 """
 
 import inspect
+import pathlib
+import time
 import io
 import re
 import subprocess
@@ -193,3 +195,97 @@ def test_paddle_example_shard_tensor_on_the_six_ranks_of_its_mesh(tmp_path):
     for rank in range(6):  # printing a dist tensor gathers it: every rank shows the whole
         mine = "\n".join(line.split("] ", 1)[1] for line in out.splitlines() if line.startswith(f"[rank {rank}] "))
         assert re.search(r"GlobalDenseTensor=\s*\[\[1, 2, 3\],\s*\[5, 6, 7\]\]\)", mine), out
+
+
+# -- restarts, logs, placement -------------------------------------------------------------
+
+RESUMES = pathlib.Path(__file__).resolve().parent / "paddle_style" / "resumes.py"
+
+
+def _losses(text: str, rank: int) -> dict[int, str]:
+    """{step: loss} that ``rank`` printed (its last run's, where a step ran twice)."""
+    return {int(m[1]): m[2] for m in re.finditer(rf"^\[rank {rank}\] LOSS (\d+) (\S+)$", text, re.M)}
+
+
+def test_a_rank_killed_after_its_first_checkpoint_restarts_every_rank_and_the_run_ends_as_an_uninterrupted_one(
+        tmp_path):  # fmt: skip
+    """A plain Paddle loop of a Trainer's shape (it resumes from its latest checkpoint): rank 1 SIGKILLed
+    after the checkpoint of step 2; --max-restarts 2 starts both ranks again, they resume from it, and
+    every loss and the final weights equal an uninterrupted run's. The logs: workerlog.N with both runs
+    and the restart's cause; the terminal shows only the filtered rank."""
+    (tmp_path / "calm").mkdir()
+    out, err = io.StringIO(), io.StringIO()
+    assert launch(str(RESUMES), [str(tmp_path / "calm")], 2, stdout=out, stderr=err) == 0, err.getvalue()
+    calm = out.getvalue()
+    (tmp_path / "hurt").mkdir()
+    out, err = io.StringIO(), io.StringIO()
+    status = launch(str(RESUMES), [str(tmp_path / "hurt"), "die"], 2, stdout=out, stderr=err, max_restarts=2,
+                    log_dir=str(tmp_path / "logs"), ranks_filter=[0])  # fmt: skip
+    assert status == 0, err.getvalue()
+    assert re.search(r"raydist launch: restart 1 of 2, after rank 1 failed \(process died", err.getvalue()), err.getvalue()
+    assert "RESUMED 2 restart 1 of 2" in out.getvalue() and "[rank 1]" not in out.getvalue() + err.getvalue()
+    assert _losses(out.getvalue(), 0) == _losses(calm, 0) and len(_losses(calm, 0)) == 8
+    assert re.findall(r"FINAL (\S+)", out.getvalue()) == re.findall(r"\[rank 0\] FINAL (\S+)", calm)
+    logs = {r: (tmp_path / "logs" / f"workerlog.{r}").read_text() for r in range(2)}
+    for rank, text in logs.items():
+        assert text.count("LOSS 0 ") == 1 and text.count("LOSS 7 ") == 1, text  # the first run, then the resumed
+        assert "raydist launch: restart 1 of 2" in text and "RESUMED 2" in text, text
+    lines = [f"[rank 1] {line}" for line in logs[1].splitlines()]
+    assert _losses("\n".join(lines), 1) == _losses(calm, 1)
+
+
+def test_raydist_stop_ends_a_launch_with_restarts_left_and_status_counts_its_restarts(tmp_path):
+    import threading
+
+    script = tmp_path / "waits.py"
+    script.write_text("import os, time\nprint('up', os.environ['PADDLE_RESTART_COUNT'], flush=True)\n"
+                      "if os.environ['PADDLE_RESTART_COUNT'] == '0' and os.environ['PADDLE_TRAINER_ID'] == '1':\n"
+                      "    raise SystemExit(3)\ntime.sleep(600)\n")  # fmt: skip
+    out, err, result = io.StringIO(), io.StringIO(), []
+    runner = threading.Thread(target=lambda: result.append(launch(str(script), [], 2, stdout=out, stderr=err,
+                                                                  max_restarts=3, name="waits")))  # fmt: skip
+    runner.start()
+    address = ray.get_runtime_context().gcs_address
+    cli = [sys.executable, "-m", "raydist", "status", "--address", address]
+    deadline = time.monotonic() + 120
+    while out.getvalue().count("up 1") < 2:  # the restart's two ranks are up
+        assert time.monotonic() < deadline and runner.is_alive(), out.getvalue() + err.getvalue()
+        time.sleep(0.2)
+    shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert "waits  launched script waits.py" in shown.stdout and "restarted 1 time," in shown.stdout, shown.stdout
+    stopped = subprocess.run([sys.executable, "-m", "raydist", "stop", "waits", "--address", address],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr
+    runner.join(timeout=60)
+    assert result and result[0] != 0 and "stopped by raydist stop" in err.getvalue(), err.getvalue()
+    assert "restart 2 of 3" not in err.getvalue()
+
+
+@pytest.mark.parametrize("bad, said", [
+    (["--ranks-filter", "0,5"], "the ranks are 0..1"),
+    (["--ranks-filter", "a"], "takes ranks like 0,2"),
+    (["--resources-per-rank", "{CPU: 4}"], "takes a JSON object"),
+    (["--resources-per-rank", '{"CPU": "4"}'], "resource names to amounts"),
+    (["--max-restarts", "-1"], "0 or more"),
+    (["--placement-strategy", "RANDOM"], "invalid choice"),
+])  # fmt: skip
+def test_bad_launch_options_are_refused_before_anything_starts(bad, said, tmp_path):
+    script = tmp_path / "spmd.py"
+    script.write_text(SPMD)
+    done = subprocess.run([sys.executable, "-m", "raydist.launch", "-n", "2", *bad, str(script)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_a_rank_asks_for_the_resources_given(tmp_path):
+    """--resources-per-rank reaches the ranks' placement group: a resource no node has cannot be
+    placed, and the launch says so at once."""
+    script = tmp_path / "spmd.py"
+    script.write_text(SPMD)
+    with pytest.raises(ValueError, match="nowhere"):
+        launch(str(script), [], 2, resources_per_rank={"CPU": 1, "nowhere": 1}, placement_strategy="SPREAD")
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, "-m", "raydist.launch", "-n", "2", "--address", address,
+                           "--resources-per-rank", '{"CPU": 1, "nowhere": 1}', str(script)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "raydist launch:" in done.stderr and "nowhere" in done.stderr, done.stderr

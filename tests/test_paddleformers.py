@@ -155,6 +155,42 @@ def test_paddleformers_llama_trains_as_one_process(dims, dynamic, expected):
             assert layout.dims_mapping[1] == layout.mesh.dim("mp")  # [hidden, intermediate]: columns over mp
 
 
+@here
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.timeout(600)
+def test_weights_leave_for_from_pretrained_and_come_back_from_save_pretrained(expected, tmp_path):
+    """Trained on dp2 x mp2 and exported (``prefix="lm."``: the LlamaForCausalLM inside the wrapper) as
+    safetensors shards with PaddleFormers' config beside: ``LlamaForCausalLM.from_pretrained`` of it gives
+    the logits ``dm.predict`` gives. And back: PaddleFormers' own ``save_pretrained`` of one process's
+    trained model starts a raydist model on mp2 with those parameters, which predicts its logits."""
+    from paddleformers.transformers import LlamaForCausalLM
+
+    losses, params, logits = expected
+    data = tokens(4)
+    with raydist.to_static(build((2, 2)), loss=TokenLoss(), optimizer=adamw, num_workers=4) as dm:
+        for ids, labels in data:
+            dm(ids, labels)
+        files = dm.export(str(tmp_path / "out"), max_shard_size="100KB", prefix="lm.")
+        dm.predict()
+        predicted = dm(data[0][0])
+    assert len(files) > 2 and (tmp_path / "out" / "model.safetensors.index.json").exists()
+    llama_config().save_pretrained(str(tmp_path / "out"))
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
+    loaded.eval()
+    with paddle.no_grad():
+        theirs = loaded(input_ids=paddle.to_tensor(data[0][0]), return_dict=False)[0].numpy()
+    assert_close(theirs, predicted, rtol=1e-5, atol=5e-5, what="from_pretrained's logits")
+    assert_params_equal({f"lm.{k}": v.numpy() for k, v in loaded.state_dict().items()}, params, rtol=1e-5, atol=2e-5)
+
+    loaded.save_pretrained(str(tmp_path / "theirs"))  # PaddleFormers' own files: its names, its layout
+    weights = raydist.Weights(str(tmp_path / "theirs"), prefix="lm.")
+    with raydist.to_static(build((1, 2)), loss=TokenLoss(), optimizer=adamw, num_workers=2, weights=weights) as dm:
+        assert_params_equal(dm.state_dict("param"), {f"lm.{k}": v.numpy() for k, v in loaded.state_dict().items()},
+                            rtol=0, atol=0)  # fmt: skip
+        dm.predict()
+        assert_close(dm(data[0][0]), theirs, rtol=1e-5, atol=5e-5, what="logits from save_pretrained's weights")
+
+
 @pytest.mark.skipif(paddleformers is not None, reason="PaddleFormers is installed here: the tests above ran")
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
@@ -177,7 +213,7 @@ def test_in_an_environment_with_paddleformers_from_pip():
     env.pop("RAY_ADDRESS", None)
     run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
-    assert run.returncode == 0 and "6 passed, 1 skipped" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "7 passed, 1 skipped" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
 
 
 @here

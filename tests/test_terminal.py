@@ -3,6 +3,7 @@
 head's GCS address, through ``RAY_ADDRESS`` and through Ray Client (``ray://``)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -117,7 +118,7 @@ time.sleep(600)
 """
 
 
-def test_status_shows_a_launched_script_and_stop_ends_it_only_with_force(ray_head, tmp_path):
+def test_status_shows_a_launched_script_and_stop_ends_it(ray_head, tmp_path):
     script = tmp_path / "waits.py"
     script.write_text(WAITS)
     launch = subprocess.Popen([*RAYDIST, "launch", "-n", "2", "--address", ray_head.address, "--name",
@@ -136,12 +137,10 @@ def test_status_shows_a_launched_script_and_stop_ends_it_only_with_force(ray_hea
         text = raydist_command("status", "--address", ray_head.address).stdout
         assert f"terminal-script  launched script waits.py, launched by the driver with pid {launch.pid} " in text
 
-        refused = raydist_command("stop", "terminal-script", "--address", ray_head.address)
-        assert refused.returncode == 1 and "launched script 'terminal-script' is not detached" in refused.stderr
-        stopped = raydist_command("stop", "terminal-script", "--force", "--address", ray_head.address)
+        stopped = raydist_command("stop", "terminal-script", "--address", ray_head.address)  # no --force needed
         assert stopped.returncode == 0 and "stopped the 2 ranks" in stopped.stdout, stopped.stderr
         out, _ = launch.communicate(timeout=120)
-        assert launch.returncode == 1 and "failed (process died" in out, out
+        assert launch.returncode == 1 and "failed (stopped by raydist stop" in out, out
     finally:
         if launch.poll() is None:
             launch.kill()
@@ -193,3 +192,44 @@ def test_a_paddle_style_script_configured_by_its_environment_runs_the_configurat
     losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("[rank 0] loss ")]
     ref = Reference(sgd())
     assert_close(losses, [ref.train(x, y) for x, y in batches(3)])
+
+
+RESUMES = TESTS / "paddle_style" / "resumes.py"
+
+
+def test_a_preemption_notice_restarts_a_launched_script_on_another_node_before_the_deadline(ray_head, tmp_path):
+    """``raydist launch --max-restarts 1`` of a script that resumes from its own checkpoints, its two
+    ranks on one of two worker nodes: a preemption notice for that node (``ray drain-node``, 120 s
+    deadline) ends both ranks and starts the script again on the other node at once, before the node
+    goes. The node is then taken away: the restart does not notice, and the run's losses equal an
+    uninterrupted run's."""
+    nodes = {name: ray_head.add_node(name, {"rank": 2}) for name in ("pre-a", "pre-b")}
+    command = [*RAYDIST, "launch", "-n", "2", "--address", ray_head.address, "--max-restarts", "1",
+               "--resources-per-rank", '{"CPU": 1, "rank": 1}', str(RESUMES)]  # fmt: skip
+    (tmp_path / "calm").mkdir()
+    calm = subprocess.run([*command, str(tmp_path / "calm")], capture_output=True, text=True, env=_env(), timeout=300)
+    assert calm.returncode == 0, calm.stdout + calm.stderr
+    (tmp_path / "held").mkdir()
+    launch = subprocess.Popen([*command, str(tmp_path / "held"), "hold"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=_env())  # fmt: skip
+    try:
+        said_all(launch, ["[rank 0] HOLDING", "[rank 1] HOLDING"])  # both ranks past the step-2 checkpoint
+        listed = json.loads(raydist_command("status", "--json", "--address", ray_head.address).stdout)
+        (on,) = next(m for m in listed if m["kind"] == "script")["nodes"]  # PACK: both ranks on one node
+        victim = next(name for name, node in nodes.items() if node == on)
+        ray_head.drain(on, 120)
+        restart = said(launch, "raydist launch: restart")
+        assert restart.startswith("1 of 1, after a preemption notice: node") and "(it runs ranks 0, 1)" in restart, restart
+        ray_head.remove_node(victim)  # only now: the restarted ranks are elsewhere, or the run fails here
+        rest, _ = launch.communicate(timeout=300)
+        out = "".join(launch.printed) + rest
+        assert launch.returncode == 0, out
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    for rank in (0, 1):
+        losses = re.findall(rf"^\[rank {rank}\] LOSS (\d+) (\S+)$", out, re.M)
+        first = dict(re.findall(rf"^\[rank {rank}\] LOSS (\d+) (\S+)$", calm.stdout, re.M))
+        assert len(first) == 8 and dict(losses) == first, out  # steps 0-1 before, 2-7 after the restart
+        assert f"[rank {rank}] RESUMED 2 restart 1 of 1" in out, out
+    assert re.findall(r"FINAL (\S+)", out) == re.findall(r"FINAL (\S+)", calm.stdout)

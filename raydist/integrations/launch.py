@@ -1,13 +1,18 @@
 """``raydist launch``: run an unmodified SPMD Paddle script with one rank per Ray actor.
 
-    raydist launch -n 4 [--gpus] [--address ADDR] script.py [args...]
+    raydist launch -n 4 [--gpus] [--address ADDR] [--max-restarts N] [--log-dir D] script.py [args...]
     python -m raydist launch -n 4 script.py [args...]
 
 What ``python -m paddle.distributed.launch`` does on one machine, on a Ray cluster: each
 rank runs the script in a process of its own with the environment Paddle's launcher sets
-(`raydist.env`), its output streamed here with a ``[rank i]`` prefix, and the exit
-status is the script's: non-zero as soon as any rank fails (its traceback is on stderr),
-and then the other ranks are stopped. A rank's process that outlives its script's end
+(`raydist.env`), its output streamed here with a ``[rank i]`` prefix (``--ranks-filter``:
+only those ranks'; ``--log-dir``: every rank's in ``workerlog.N`` there, Paddle's names), and
+the exit status is the script's: non-zero as soon as any rank fails (its traceback is on
+stderr), and then the other ranks are stopped. With ``--max-restarts N`` a failure ends every
+rank and the script starts again on all of them, up to N times, each restart logged with its
+cause; the ranks see how many came before in ``PADDLE_RESTART_COUNT`` (and the limit in
+``PADDLE_MAX_RESTART``, Paddle's launcher's name for it), so a script that resumes from its
+latest checkpoint goes on. A rank's process that outlives its script's end
 (Paddle's or gloo's teardown stuck, seen after a failed collective) is ended after
 `LINGER_GRACE_S`, with the script's status, and the launch says which rank lingered. On
 CPU the ranks run with raydist's Paddle fixes (`raydist.compat`), so scripts that use
@@ -17,6 +22,7 @@ CPU the ranks run with raydist's Paddle fixes (`raydist.compat`), so scripts tha
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import queue
@@ -26,13 +32,14 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import ray
 
 from ..driver.cluster.config import GroupConfig
 from ..driver.cluster.connect import init_ray
 from ..driver.lifecycle.detached import Holder
+from ..driver.lifecycle.preemption import DrainWatch
 from ..driver.cluster.group import RankGroup
 from ..env import QUIET_GLOG_LEVEL, launching_env
 from .spmd import END_FD
@@ -126,6 +133,9 @@ class ScriptActor(Member):
         self._items.put(("exit", ended[0][0] if ended else code))
 
 
+STOPPED = "stopped by raydist stop (or ray.kill)"  # a rank's status when it was ended on purpose
+DRAINING = "preemption notice"  # a rank's status when its node is being drained: the script restarts elsewhere
+
 OUTPUT_BATCH = 1000  # lines a call of `ScriptActor.output` hands over at most
 
 
@@ -168,6 +178,11 @@ def launch(
     stderr=None,
     env: dict[str, str] | None = None,
     pass_env: bool = True,
+    max_restarts: int = 0,
+    log_dir: str | None = None,
+    ranks_filter: Collection[int] | None = None,
+    resources_per_rank: dict[str, float] | None = None,
+    placement_strategy: str = "PACK",
 ) -> int:
     """Run ``script`` on ``num_workers`` ranks; returns its exit status (0 when every rank succeeded).
 
@@ -175,15 +190,57 @@ def launch(
     process's environment, as under ``paddle.distributed.launch``, but for the variables that
     describe this machine (`raydist.env.MACHINE_VARIABLES`); ``pass_env=False``: none of it.
     ``env``: more variables for every rank. Paddle's rank variables (``PADDLE_TRAINER_ID``, the
-    endpoints...) win over both.
+    endpoints...) win over both, and ``PADDLE_RESTART_COUNT``/``PADDLE_MAX_RESTART``.
+
+    ``max_restarts``: after a rank's failure, start the script again on every rank, up to this
+    many times (0: a failure ends the launch; restarting helps scripts that resume from their
+    own checkpoints). ``log_dir``: every rank's output (stdout and stderr) also in
+    ``log_dir/workerlog.N``, appended across restarts; ``ranks_filter``: the ranks whose output
+    goes to ``stdout``/``stderr`` (default all). ``resources_per_rank``, ``placement_strategy``:
+    as `raydist.DistModel`'s.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     with open(script, encoding="utf-8") as f:
         source = f.read()
     given = {**(launching_env(os.environ) if pass_env else {}), **(env or {})}
-    started = init_ray(num_workers, None, use_gpu)
-    group = RankGroup(GroupConfig(num_workers, use_gpu, name=name or "raydist-launch", paddle_logs=paddle_logs,
-                                  actor_class=ScriptActor))  # fmt: skip
+    config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, name=name or "raydist-launch",
+                         paddle_logs=paddle_logs, actor_class=ScriptActor)  # fmt: skip
+    started = init_ray(num_workers, resources_per_rank, use_gpu)
+    logs = WorkerLogs(log_dir, num_workers) if log_dir else None
+    shown = set(range(num_workers)) if ranks_filter is None else set(ranks_filter)
+    drains = DrainWatch() if max_restarts else None  # with no restart left to make, a notice changes nothing
+    try:
+        for restart in range(max_restarts + 1):
+            restarts = {"PADDLE_RESTART_COUNT": str(restart), "PADDLE_MAX_RESTART": str(max_restarts)}
+            codes = _run_once(config, script, source, args, {**given, **restarts}, restart, logs, shown, stdout,
+                              stderr, drains if restart < max_restarts else None)  # fmt: skip
+            if codes is None:  # interrupted
+                return 130
+            status = _status(codes, stderr, restarting=restart < max_restarts and STOPPED not in codes)
+            if status == 0 or restart == max_restarts or STOPPED in codes:
+                return status
+            note = f"raydist launch: restart {restart + 1} of {max_restarts}, after {_cause(codes)}"
+            print(note, file=stderr, flush=True)
+            if logs is not None:
+                logs.note(note)
+    finally:
+        if drains is not None:
+            drains.stop()
+        if logs is not None:
+            logs.close()
+        if started:
+            ray.shutdown()
+    return 1  # not reached
+
+
+def _run_once(config: GroupConfig, script: str, source: str, args: Sequence[str], given: dict[str, str],
+              restart: int, logs: "WorkerLogs | None", shown: set[int], stdout, stderr,
+              drains: DrainWatch | None = None) -> list | None:  # fmt: skip
+    """One run of the script on a group of its own: each rank's status (None: interrupted). ``drains``:
+    a preemption notice for a node of the group ends the run at once, before the node goes, its ranks'
+    status `DRAINING` (the restart is placed on the other nodes: Ray places nothing on a draining one)."""
+    num_workers = config.num_workers
+    group = RankGroup(config)
     lock, codes, failed = threading.Lock(), [None] * num_workers, threading.Event()
     lingered: dict[int, float] = {}  # rank -> seconds its process outlived its script, then killed
 
@@ -196,11 +253,17 @@ def launch(
                     elif kind == "lingered":
                         lingered[rank] = value
                     else:
-                        with lock:
-                            print(f"[rank {rank}] {value}", file=stdout if kind == "out" else stderr, flush=True)
+                        if logs is not None:
+                            logs.write(rank, value)
+                        if rank in shown:
+                            with lock:
+                                print(f"[rank {rank}] {value}", file=stdout if kind == "out" else stderr, flush=True)
         except ray.exceptions.RayActorError as e:
             if codes[rank] is None and not failed.is_set():
-                codes[rank] = f"process died: {str(e).strip().splitlines()[0] if str(e).strip() else 'killed'}"
+                if "ray.kill" in str(e):  # `raydist stop` (or ray.kill): the launch ends, with no restart
+                    codes[rank] = STOPPED
+                else:
+                    codes[rank] = f"process died: {str(e).strip().splitlines()[0] if str(e).strip() else 'killed'}"
         except Exception as e:  # a bug of ours must not hang the launcher
             if codes[rank] is None:
                 codes[rank] = f"{type(e).__name__}: {e}"
@@ -210,7 +273,7 @@ def launch(
     cwd = os.getcwd()
     # Paddle's launcher also names the pod; DistModel then joins the group via fleet.init
     pod = {"POD_NAME": uuid.uuid4().hex[:6]}
-    card = {"kind": "script", "script": os.path.basename(script), "holder": str(Holder.here())}
+    card = {"kind": "script", "script": os.path.basename(script), "holder": str(Holder.here()), "restarts": restart}
     for actor, rank_env in zip(group.actors, group.envs):
         actor.describe.remote(card)
         actor.start.remote({**given, **rank_env, **pod}, os.path.abspath(script), source, list(args), cwd)
@@ -220,29 +283,65 @@ def launch(
     try:
         while any(t.is_alive() for t in threads) and not failed.is_set():
             failed.wait(0.2)
+            notice = drains.notice(group.nodes) if drains is not None else None
+            if notice is not None:
+                for rank, node in enumerate(group.nodes):
+                    if node in notice.nodes and codes[rank] is None:
+                        codes[rank] = f"{DRAINING}: {notice}"
+                failed.set()
     except KeyboardInterrupt:
         group.shutdown()
-        return 130
+        return None
     finally:
         if failed.is_set():
             group.shutdown()  # stops the other ranks, and their scripts with them
         for t in threads:
             t.join(timeout=30)
         group.shutdown()
-        if started:
-            ray.shutdown()
     for rank, seconds in sorted(lingered.items()):
         print(f"raydist launch: rank {rank}'s process lingered after its script ended (Paddle's or gloo's "
               f"teardown); it was ended after {seconds:.0f} s, with the script's status {codes[rank]}",
               file=stderr)  # fmt: skip
-    return _status(codes, stderr)
+    return codes
 
 
-def _status(codes: list, stderr) -> int:
+def _cause(codes: list) -> str:
+    """What ended a run, for the restart's line: its first failed rank and how."""
+    rank, code = next((r, c) for r, c in enumerate(codes) if c not in (0, None))
+    if isinstance(code, str) and code.startswith(DRAINING):
+        ranks = ", ".join(str(r) for r, c in enumerate(codes) if c == code)
+        return f"a {code} (it runs ranks {ranks})"
+    return f"rank {rank} exited with status {code}" if isinstance(code, int) else f"rank {rank} failed ({code})"
+
+
+class WorkerLogs:
+    """``log_dir/workerlog.N``: each rank's stdout and stderr as it prints them (Paddle's launcher's names)."""
+
+    def __init__(self, log_dir: str, num_workers: int) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        self._files = [open(os.path.join(log_dir, f"workerlog.{r}"), "a", encoding="utf-8", buffering=1)
+                       for r in range(num_workers)]  # fmt: skip
+
+    def write(self, rank: int, line: str) -> None:
+        self._files[rank].write(line + "\n")
+
+    def note(self, line: str) -> None:
+        """A line of the launcher's own, in every rank's log (a restart and its cause)."""
+        for f in self._files:
+            f.write(line + "\n")
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+
+
+def _status(codes: list, stderr, restarting: bool = False) -> int:
     bad = [(r, c) for r, c in enumerate(codes) if c not in (0, None)]
     if not bad:
         return 0 if all(c == 0 for c in codes) else 1
     rank, code = bad[0]
+    if restarting:
+        return code if isinstance(code, int) and 0 < code < 256 else 1
     others = "; the other ranks were stopped" if len(codes) > 1 else ""
     if isinstance(code, int):
         print(f"raydist launch: rank {rank} exited with status {code}{others}", file=stderr)
@@ -269,6 +368,19 @@ def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "devices, Ray's own)")  # fmt: skip
     parser.add_argument("--paddle-logs", action="store_true", help="keep Paddle's INFO logs (glog) in the ranks")
     parser.add_argument("--name", help="prefix of the rank actors' names (default raydist-launch)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="after a rank fails, end every rank and start the script again on all of them, up to N "
+                             "times (default 0: for scripts that do not resume from their own checkpoints, a restart "
+                             "would only run them again from the start); the ranks see PADDLE_RESTART_COUNT")  # fmt: skip
+    parser.add_argument("--log-dir", metavar="D",
+                        help="also write each rank's stdout and stderr to D/workerlog.N (appended across restarts)")
+    parser.add_argument("--ranks-filter", metavar="R[,R...]",
+                        help="print only these ranks' output here (default: every rank's, prefixed)")
+    parser.add_argument("--resources-per-rank", metavar="JSON",
+                        help='the Ray resources of each rank, e.g. \'{"CPU": 4, "rank_node": 1}\' '
+                             '(default {"CPU": 1}, or {"CPU": 1, "GPU": 1} with --gpus)')  # fmt: skip
+    parser.add_argument("--placement-strategy", default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+                        help="how the ranks' placement group spreads them over nodes (default PACK)")
     parser.add_argument("script", help="the SPMD script, run as python script.py on every rank")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
@@ -288,6 +400,28 @@ def command(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not eq or not key:
             parser.error(f"--env takes KEY=VALUE, got {pair!r}")
         env[key] = value
+    if opts.max_restarts < 0:
+        parser.error("--max-restarts must be 0 or more")
+    ranks = None
+    if opts.ranks_filter is not None:
+        try:
+            ranks = {int(r) for r in opts.ranks_filter.split(",")}
+        except ValueError:
+            parser.error(f"--ranks-filter takes ranks like 0,2; got {opts.ranks_filter!r}")
+        if not all(0 <= r < opts.nproc for r in ranks):
+            parser.error(f"--ranks-filter: the ranks are 0..{opts.nproc - 1}; got {opts.ranks_filter!r}")
+    resources = None
+    if opts.resources_per_rank is not None:
+        try:
+            resources = json.loads(opts.resources_per_rank)
+        except json.JSONDecodeError as e:
+            parser.error(f"--resources-per-rank takes a JSON object such as '{{\"CPU\": 4}}': {e}")
+        if not isinstance(resources, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for k, v in resources.items()
+        ):
+            parser.error(f"--resources-per-rank takes a JSON object of resource names to amounts; got "
+                         f"{opts.resources_per_rank!r}")  # fmt: skip
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if opts.address:
         try:
@@ -297,7 +431,12 @@ def command(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 1
     try:
         return launch(opts.script, opts.args, opts.nproc, use_gpu=opts.gpus, paddle_logs=opts.paddle_logs,
-                      name=opts.name, env=env, pass_env=not opts.no_env)  # fmt: skip
+                      name=opts.name, env=env, pass_env=not opts.no_env, max_restarts=opts.max_restarts,
+                      log_dir=opts.log_dir, ranks_filter=ranks, resources_per_rank=resources,
+                      placement_strategy=opts.placement_strategy)  # fmt: skip
+    except ValueError as e:  # ranks the cluster cannot place (a resource no node has)
+        print(f"raydist launch: {e}", file=sys.stderr)
+        return 1
     finally:
         if opts.address:
             ray.shutdown()

@@ -23,6 +23,7 @@ from .conversion import explain
 from .eager import EagerRunner, replicate_dense
 from .runner import StaticRunner
 from .schedule import RankSchedule
+from . import weights as rank_weights
 from .mirror import Mirror
 from .replicas import ReplicaHashes
 from .steplog import StepLog
@@ -59,7 +60,7 @@ class ModelService:
     def build(self, payload: bytes) -> BuildReport:
         """Build the layer and the optimizer; the meshes of the layer's parameters, in order.
         A dynamic model's layer runs eagerly (`raydist.worker.eager`), else as Paddle's static DistModel."""
-        build_layer, loss, optimizer_factory, strategy, metrics, dynamic = pickling.loads(payload)
+        build_layer, loss, optimizer_factory, strategy, metrics, dynamic, weights = pickling.loads(payload)
         layer = build_layer()
         if not isinstance(layer, paddle.nn.Layer):
             raise UsageError(f"build_layer must return a paddle.nn.Layer, it returned {type(layer).__name__}")
@@ -76,6 +77,8 @@ class ModelService:
                 f"(num_workers={self.world_size}): raise num_workers to {max(beyond) + 1}"
             )
         pipeline_stages(strategy, meshes, self.world_size)
+        if weights is not None:  # every new group starts from them: a restart from the start too
+            rank_weights.load(layer, weights, self.rank)
         if dynamic:  # before the optimizer is made: it holds the parameters it is given
             replicate_dense(layer, widest(meshes, self.world_size))
         optimizer = optimizer_factory(layer.parameters()) if optimizer_factory is not None else None
@@ -261,6 +264,13 @@ class ModelService:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydist-save")
         self._writes[directory] = self._writer.submit(checkpoint.write_pieces, directory, self.rank, pieces)
         return checkpoint.pieces_file(self.rank)
+
+    def export_offer(self, names: list[str]) -> dict[str, tuple]:
+        return rank_weights.offer(self.runner.state_dict("param"), names, self.rank)
+
+    def write_weights(self, directory: str, format: str, files: list, state: handover.StateMap, prefix: str) -> None:
+        transposed = rank_weights.linear_weights(self.runner.layer) if format == "safetensors" else set()
+        rank_weights.write(directory, format, files, state, self.rank, transposed, prefix)
 
     def saved(self, directory: str) -> str:
         return self._writes.pop(directory).result()

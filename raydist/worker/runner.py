@@ -218,7 +218,7 @@ class StaticRunner(Runner):
         if mode == "opt":
             return out
         for name, tensor in self.layer.state_dict().items():
-            if not _held(tensor):
+            if not holds_piece(tensor):
                 continue
             local = tensor._local_value() if tensor.is_dist() else tensor
             layout = layout_of_tensor(tensor) if tensor.is_dist() else None
@@ -235,7 +235,7 @@ class StaticRunner(Runner):
 
     def set_pieces(self, pieces: Callable[[dict[str, Layout | None]], Iterable[tuple[str, np.ndarray]]]) -> None:
         if not self._plans:  # the layer's dygraph parameters, before the first build
-            params = {name: t for name, t in self.layer.state_dict().items() if _held(t)}
+            params = {name: t for name, t in self.layer.state_dict().items() if holds_piece(t)}
             for name, local in pieces({n: layout_of_tensor(t) if t.is_dist() else None for n, t in params.items()}):
                 tensor = params[name]
                 (tensor._local_value() if tensor.is_dist() else tensor).set_value(np.array(local, order="C"))
@@ -253,7 +253,7 @@ class StaticRunner(Runner):
         program.set_state_dict(local_state, paddle.static.global_scope(), True)
 
 
-def _held(tensor) -> bool:
+def holds_piece(tensor) -> bool:
     """Whether this rank holds a piece of a layer's tensor (not: another pipeline stage's)."""
     return not tensor.is_dist() or dist.get_rank() in tensor.process_mesh.process_ids
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ import numpy as np
 from ... import pickling
 from ...data.loader import ShardDataloader
 from ...strategy import micro_batch_size, micro_batches
+from ...weights import Weights
 from ..dispatch.client import RankClient
 from ..cluster.connect import init_ray, ray_started_here
 from ..cluster.config import GroupConfig
@@ -139,6 +141,17 @@ class DistModel:
             checkpoints (a static model's load into a dynamic one and back);
             ``strategy.sharding`` through ``dist.shard_optimizer``. Pipelines and
             gradient merge run in the static mode only. See `raydist.worker.eager`.
+        weights: start from these weights instead of the builder's initial values: a
+            safetensors file or directory (``model.safetensors``, or shards and their
+            index, as ``save_pretrained`` and `export` write them), a ``paddle.save``
+            state dict (``model_state.pdparams``, or shards and their index), or a
+            directory of Paddle's ``dist.save_state_dict`` (``*.metadata``,
+            ``*.distcp``), on any mesh: each rank reads its own shards (see
+            `raydist.weights`). Names are the Layer's structured ones; a tensor the
+            layer has and the weights lack is an error. `raydist.Weights(path,
+            prefix="lm.")`: weights of a sublayer (a model wrapped in a Layer of
+            yours). Every group starts from them, a restart from the start too. A
+            raydist checkpoint is `load`'s.
 
     Default mode follows Paddle: loss and optimizer -> "train"; loss only ->
     "eval"; neither -> "predict".
@@ -174,14 +187,18 @@ class DistModel:
         check_replicas: int | None = None,
         replica_mismatch: str = "raise",
         dynamic: bool = False,
+        weights: "str | Weights | None" = None,
     ) -> None:
         check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, max_in_flight=max_in_flight,
                         steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks, name=name,
                         detached=detached, peer_memory=peer_memory,
-                        check_replicas=check_replicas, replica_mismatch=replica_mismatch, dynamic=dynamic)  # fmt: skip
+                        check_replicas=check_replicas, replica_mismatch=replica_mismatch, dynamic=dynamic,
+                        weights=weights)  # fmt: skip
         inputs, labels = input_specs(input_spec, loader)
         sizes = group_sizes(num_workers, (inputs or []) + (labels or []), loader, spare_ranks)
-        payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or []), dynamic),
+        if weights is not None and not isinstance(weights, Weights):
+            weights = Weights(weights)
+        payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or []), dynamic, weights),
                                  "the layer builder, loss, optimizer or strategy")  # fmt: skip
         specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES},
                            micro_batch_size(strategy))  # fmt: skip
@@ -411,6 +428,33 @@ class DistModel:
                          paddle=paddle.__version__, position=position, record=record or {})  # fmt: skip
         self._life.events.emit("checkpoint", step, path=path, background=background,
                                stall_s=round(time.monotonic() - began, 6))  # fmt: skip
+
+    def export(self, path: str, format: str = "safetensors", max_shard_size: int | str = "5GB",
+               prefix: str = "") -> list[str]:  # fmt: skip
+        """Write the model's FULL parameters to a new directory ``path``, for other tools to load; the files written.
+
+        ``format``: "safetensors" (``model.safetensors``, which PaddleFormers'
+        ``from_pretrained`` reads, as do Hugging Face's tools) or "paddle" (a
+        ``paddle.save`` state dict, ``model_state.pdparams``, for ``paddle.load``).
+        Above ``max_shard_size`` (bytes, or "5GB", "500MB"...) the weights are split
+        into shards with an index (``model.safetensors.index.json``). Names are the
+        Layer's structured names (``layer.state_dict()``'s). Each file is written by
+        one rank from the pieces the others hand it; the driver holds no tensor.
+        ``path`` must be visible to every rank (a shared file system on a cluster
+        of several nodes). ``prefix``: only the parameters under it, named
+        without it (``prefix="lm."`` exports the ``LlamaForCausalLM`` a Layer of
+        yours holds as ``self.lm``). In safetensors, ``paddle.nn.Linear`` weights
+        are [out, in], as Hugging Face's and PaddleFormers' files hold them. For
+        ``from_pretrained``, save the model's config beside
+        (``config.save_pretrained(path)``). See `raydist.weights`.
+        """
+        from ... import weights
+
+        if format not in weights.FORMATS:
+            raise ValueError(f"format must be one of {weights.FORMATS}, got {format!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        return self._state.export(os.path.abspath(path), format, weights.parse_size(max_shard_size), prefix)
 
     def load(self, path: str) -> None:
         """Restore parameters, optimizer state and the learning rate from a checkpoint `save` wrote, on any mesh.

@@ -61,6 +61,7 @@ class ModelStatus:
     ranks: list[RankStatus]
     missing: list[int]
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # its last few (`DistModel.events`)
+    restarts: int | None = None  # a launched script's restarts so far (``raydist launch --max-restarts``)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,6 +94,7 @@ def models(timeout_s: float = 10.0) -> list[ModelStatus]:
             step=max(steps) if steps else None, nodes=sorted({s.node_id for s in mine}),
             last_checkpoint=card.get("last_checkpoint"), script=card.get("script"), ranks=mine,
             missing=sorted(set(actors) - {s.rank for s in mine}), events=card.get("events", []),
+            restarts=card.get("restarts"),
         ))  # fmt: skip
     return out
 

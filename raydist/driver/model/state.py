@@ -20,8 +20,11 @@ import threading
 import numpy as np
 import ray
 
-from ... import checkpoint
-from ...handover import StateMap
+import os
+import uuid
+
+from ... import checkpoint, weights
+from ...handover import StateMap, Tensor
 from ...protocol import RankActor
 from ..dispatch.client import RankClient
 from .rates import LearningRate
@@ -98,6 +101,50 @@ class ModelState:
         """Every rank takes its shards of ``state`` from where its pieces lie (`raydist.handover`:
         the ranks fetch them; the driver sends references only)."""
         self.client.call(RankActor.take_state, state)
+
+    def export(self, path: str, format: str, max_shard_bytes: int, prefix: str = "") -> list[str]:
+        """Write the FULL parameters (those under ``prefix``, named without it) to a new directory ``path``
+        in ``format`` (`raydist.weights`); the files.
+
+        Each distinct piece is put in the object store by one rank that holds it, and each file is
+        written by one rank, which fetches the pieces of its tensors from wherever they lie: the
+        driver plans, and holds references only. Written under a temporary name, renamed once whole.
+        """
+        self.wait_saved()
+        if os.path.exists(path):
+            raise ValueError(f"{path} exists: raydist never overwrites; export to a new directory")
+        meta, holders = self._meta("param")
+        meta = {n: entry for n, entry in meta.items() if n.startswith(prefix)}
+        if not meta:
+            raise ValueError(f"export: no parameter's name starts with prefix={prefix!r}")
+        files = weights.plan_files({n: (shape, dtype) for n, (shape, dtype, _) in meta.items()}, format,
+                                   max_shard_bytes)  # fmt: skip
+        asks: dict[int, list[str]] = {}  # rank -> the tensors it offers a piece of
+        for name, (_, _, layout) in meta.items():
+            for ranks in layout.holders().values() if layout is not None else [holders[name]]:
+                asks.setdefault(ranks[0], []).append(name)
+        offers = self.client.call_each(RankActor.export_offer, {r: (names,) for r, names in asks.items()})
+        pieces: dict[str, dict] = {name: {} for name in meta}
+        for offer in offers:
+            for name, (piece, ref) in offer.items():
+                pieces[name][piece.key] = ref
+        state = {n: Tensor(shape, dtype, layout, pieces[n]) for n, (shape, dtype, layout) in meta.items()}
+        staged = f"{path.rstrip('/')}.exporting-{uuid.uuid4().hex[:8]}"
+        os.makedirs(staged)
+        plan: dict[int, list] = {}
+        for i, (file, names) in enumerate(files):  # the files in turn over the ranks
+            plan.setdefault(i % self.client.size, []).append((file, names))
+        try:
+            self.client.call_each(RankActor.write_weights, {
+                rank: (staged, format, mine, {n: state[n] for _, names in mine for n in names}, prefix)
+                for rank, mine in plan.items()})  # fmt: skip
+            total = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype, _ in meta.values())
+            weights.write_index(staged, format, [(f, [n[len(prefix):] for n in names]) for f, names in files], total)
+            os.replace(staged, path)
+        except BaseException:
+            checkpoint.remove(staged)
+            raise
+        return [file for file, _ in files]
 
     def save(self, path: str, trained: int, background: bool = False, **info: Any) -> None:
         """Every rank writes its shards to a staging directory; then the manifest, and the commit.

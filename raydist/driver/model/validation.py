@@ -6,6 +6,7 @@ instead; nothing has been started or sent yet.
 
 from __future__ import annotations
 
+
 from typing import Any
 
 import ray
@@ -23,7 +24,8 @@ DISPATCH = ("auto", "compiled", "calls", "tree")
 def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gpu: bool, max_in_flight: Any,
                     steps_per_message: Any, dispatch: Any, spare_ranks: Any, name: Any = None,
                     detached: bool = False, peer_memory: Any = None, check_replicas: Any = None,
-                    replica_mismatch: Any = "raise", dynamic: Any = False) -> None:  # fmt: skip
+                    replica_mismatch: Any = "raise", dynamic: Any = False,
+                    weights: Any = None) -> None:  # fmt: skip
     """Refuse arguments that cannot make a model (see `raydist.DistModel` for what each takes)."""
     import paddle
 
@@ -81,6 +83,11 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
     if detached:
         _check_detached(name, dispatch, spare_ranks)
     check_strategy(strategy, use_gpu)
+    if weights is not None:
+        from ...weights import Weights
+
+        if not isinstance(weights, Weights):
+            Weights(weights)  # a TypeError or ValueError that says what is wrong, or what is there
     if not isinstance(dynamic, bool):
         raise TypeError(f"dynamic must be True or False, got {dynamic!r}")
     if dynamic:
