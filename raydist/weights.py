@@ -6,8 +6,8 @@ Export (`DistModel.export`) writes the model's FULL parameters under the Layer's
 with an index (``model.safetensors.index.json``, ``model_state.pdparams.index.json``: PaddleFormers'
 and Hugging Face's names). In safetensors files the weights of ``paddle.nn.Linear`` layers are
 [out, in], Hugging Face's layout, which PaddleFormers' ``save_pretrained`` writes and its
-``from_pretrained`` reads (Paddle holds them [in, out]); in ``paddle.save`` files, Paddle's own. Each file is written by one rank, from pieces the others hand it rank to
-rank (`raydist.handover`); the driver plans the files and writes the index, and holds no tensor.
+``from_pretrained`` reads (Paddle holds them [in, out]); in ``paddle.save`` files, Paddle's own.
+Each file is written by one rank, from pieces the others hand it rank to rank (`raydist.handover`); the driver plans the files and writes the index, and holds no tensor.
 
 Import (``to_static(..., weights=path)``) starts a model from such weights on any mesh: every rank
 reads the part of each tensor its shard covers (`Reader.read` of a box). safetensors files are
@@ -53,6 +53,8 @@ class Weights:
             raise TypeError(f"Weights.prefix must be a str, got {type(self.prefix).__name__}")
         object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))  # the ranks' working dir is another
         detect(self.path)  # a ValueError that says what is there
+
+
 Box = list[tuple[int, int]]  # [start, stop) per dim of a tensor
 
 _NAMES = {  # format -> (the one file's name, a shard's name, the index's name): PaddleFormers' (paddleformers.utils.env)

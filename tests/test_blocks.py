@@ -33,6 +33,7 @@ def through_raydist(name: str, env: dict, optimizer=adamw) -> tuple[list[float],
 
 
 @pytest.mark.parametrize("name", ["block-mp2", "gptblock-mp2", "llama-dp2xmp2"])
+@pytest.mark.long
 def test_a_real_block_trains_as_one_process(name):
     losses, state = through_raydist(name, {}, sgd)
     ref_losses, ref_params = one_process(name, STEPS, sgd)
@@ -43,6 +44,7 @@ def test_a_real_block_trains_as_one_process(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["block-mp2", "llama-dp2xmp2"])
+@pytest.mark.long
 def test_the_fast_path_equals_paddles_executor_run_bit_for_bit_on_a_real_block(name):
     fast, fast_state = through_raydist(name, {})
     slow, slow_state = through_raydist(name, PADDLES_RUN)

@@ -1,5 +1,6 @@
-"""The fault soak's short seed (tests/chaos.py): one run of dp2 x mp2 meets every kind of fault in turn
-and ends as one plain process. The long soak: ``python -m bench chaos --minutes 30``."""
+"""The fault soak's short seeds (tests/chaos.py): a plain loop meets three faults in turn (in the README's
+test command), and one ``fit`` of dp2 x mp2 meets every kind of fault (``-m long``); each ends as one plain
+process. The long soak: ``python -m bench chaos --minutes 30``."""
 
 import os
 import subprocess
@@ -23,7 +24,18 @@ def _soak(*args: str, timeout: float) -> str:
     return done.stdout
 
 
+@pytest.mark.timeout(600)
+def test_a_plain_loop_meets_three_faults_in_turn_and_ends_as_one_process():
+    out = _soak("--seed", "2", "--cases", "dp2xmp2", "--loops", "plain", "--faults", "3", timeout=550)
+    print(out)
+    assert "3 faults over" in out and "equal to one process, every fault survived" in out, out
+    rows = [line.split("|")[2:4] for line in out.splitlines() if line.startswith("| ") and
+            line.split("|")[2].strip().isdigit()]  # fmt: skip
+    assert sum(int(injected) for injected, _ in rows) == 3 and all(i == s for i, s in rows), out
+
+
 @pytest.mark.timeout(900)
+@pytest.mark.long
 def test_a_fit_meets_every_kind_of_fault_in_turn_and_ends_as_one_process():
     out = _soak("--seed", "1", "--cases", "dp2xmp2", "--loops", "fit", "--faults", "8", timeout=850)
     print(out)

@@ -27,6 +27,7 @@ def test_a_driver_past_its_timeout_is_interrupted_and_what_it_printed_is_shown()
         """, timeout=3)
 
 
+@pytest.mark.long
 def test_ranks_wait_for_the_autoscaler_then_train():
     """No worker node at the start: to_static waits while the autoscaler adds two, then trains."""
     with AutoscalingHead(max_nodes=2) as head:
@@ -55,6 +56,7 @@ def test_ranks_wait_for_the_autoscaler_then_train():
     assert re.search(r"nodes 2 waited [\d.]+ s", out)
 
 
+@pytest.mark.long
 def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_as_one_process():
     """dp x mp2 under AdamW, num_workers=(2, 4) over two 2-CPU nodes, 3 epochs of 8 steps: one
     node lost after step 3 (training goes on at 2 ranks from the surviving data-parallel
@@ -164,6 +166,7 @@ def test_fit_shrinks_on_a_lost_node_grows_when_one_joins_during_a_save_and_ends_
     assert "shrank and grew like one process" in out
 
 
+@pytest.mark.long
 def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fits():
     """Outside fit: RankError naming the rank; restart() at 2 ranks from the state the surviving
     data-parallel group held (newer than the checkpoint), the numbers of one process; then a
@@ -229,6 +232,7 @@ def test_a_lost_node_is_a_rank_error_then_restart_comes_back_at_the_size_that_fi
     assert out.count("RankError naming rank") == 2
 
 
+@pytest.mark.long
 def test_messages_relayed_through_the_ranks_of_two_nodes_train_like_one_process_and_a_lost_node_is_named():
     """dispatch="tree", dp2 x mp2 over two nodes: the driver sends each message to rank 0, which
     passes it to its node's other rank and to the other node's first rank. Losses, outputs and
@@ -274,6 +278,7 @@ def test_messages_relayed_through_the_ranks_of_two_nodes_train_like_one_process_
     assert "relayed like one process" in out
 
 
+@pytest.mark.long
 def test_placement_strategy_puts_ranks_on_one_node_or_spreads_them():
     """Two nodes of room for two ranks each (one cluster, both models in turn): PACK puts the two
     ranks on one node, STRICT_SPREAD on two, and both train like one process."""
@@ -297,6 +302,7 @@ def test_placement_strategy_puts_ranks_on_one_node_or_spreads_them():
     assert "PACK nodes 1" in out and "STRICT_SPREAD nodes 2" in out, out
 
 
+@pytest.mark.long
 def test_the_elastic_example_runs_on_a_local_ray():
     """examples/elastic.py, as the README runs it, on its own local Ray (4 ranks: room for all)."""
     out = run_driver("""
@@ -308,6 +314,7 @@ def test_the_elastic_example_runs_on_a_local_ray():
     assert re.search(r"training on [24] ranks", out) and "64 steps" in out, out
 
 
+@pytest.mark.long
 def test_two_losses_in_a_row_the_second_during_a_save():
     """(2, 6) over three nodes, dp3 x mp2 at 6 ranks: a node lost between steps (on to 2
     ranks from the survivors' state: 4 would split 3 shards unevenly), then the node of those

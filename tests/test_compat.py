@@ -339,6 +339,7 @@ print("loss:", float(dm(x, paddle.ones([2, 1]))), flush=True)
 
 
 @pytest.mark.usefixtures("ray_session")
+@pytest.mark.long
 def test_collectives_defect_gloo_has_no_average(tmp_path, monkeypatch):
     """Behind raydist_all_reduce's average: a mean over a dim split on "mp" all-reduces with
     reduce type avg, which Paddle's gloo refuses; raydist's op sums and divides, and the loss is
@@ -596,6 +597,7 @@ except RecursionError:
 
 
 @pytest.mark.parametrize("fix", ["none", "raydist"])
+@pytest.mark.long
 def test_dy2static_defect_super_in_an_inherited_method_recurses(fix, tmp_path):
     """dy2static turns ``super()`` into ``super(self.__class__, self)``: in a method a subclass
     inherits (PaddleFormers' ``PretrainedConfig.__getattribute__``), that recurses; the fix leaves

@@ -54,6 +54,7 @@ def epoch_ids(dm, loader, stop=None):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_every_row_once_and_mp_peers_alike(tagger):
     loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
     assert len(loader) == 8 and loader.local_batch_size == 4
@@ -68,6 +69,7 @@ def test_every_row_once_and_mp_peers_alike(tagger):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_break_then_new_epoch_and_shuffle_with_seed(tagger):
     loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8,
                                       shuffle=True, seed=5)  # fmt: skip
@@ -86,6 +88,7 @@ def test_break_then_new_epoch_and_shuffle_with_seed(tagger):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_training_through_the_loader_matches_single_process(tagger):
     loader = raydist.shard_dataloader(dataset(), MESH, input_keys=["x", "y"], shard_dims="dp", batch_size=8)
     probe = raydist.shard_dataloader(dataset(), MESH, input_keys=["tag"], shard_dims="dp", batch_size=8)
@@ -106,6 +109,7 @@ def test_training_through_the_loader_matches_single_process(tagger):
     assert_params_equal(params, ref.params())
 
 
+@pytest.mark.long
 def test_a_loop_that_reads_nothing_sends_the_next_epoch_while_the_ranks_still_run_this_one(tagger):
     """The next epoch's first step opens its reading while the ranks still have several steps of
     this epoch to run (4 steps a message, the reader 1 step ahead): they still get their batches;
@@ -128,6 +132,7 @@ def test_a_loop_that_reads_nothing_sends_the_next_epoch_while_the_ranks_still_ru
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_paddle_dataset_reads_like_paddles_distributed_sampler():
     data = Pairs(40)
     loader = raydist.shard_dataloader(data, MESH, shard_dims="dp", batch_size=8)
@@ -181,6 +186,7 @@ def test_handles_from_another_epoch_are_refused(tagger):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_failing_reader_surfaces_as_rank_error_not_a_hang():
     loader = raydist.shard_dataloader(Poisoned(40), MESH, shard_dims="dp", batch_size=8, prefetch=1)
     samplers = [paddle.io.DistributedBatchSampler(Pairs(40), 4, num_replicas=2, rank=g) for g in range(2)]

@@ -83,6 +83,7 @@ def test_a_model_dy2static_cannot_convert_trains_in_dynamic_mode_and_static_says
 
 
 @pytest.mark.parametrize("first", ["static", "dynamic"])
+@pytest.mark.long
 def test_checkpoints_go_between_static_and_dynamic(first, tmp_path):
     """2 steps in one mode, saved; loaded by the other on another mesh, 2 more: equal to 4 steps of one process."""
     data = batches(4)

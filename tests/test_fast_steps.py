@@ -31,6 +31,7 @@ def train_through_the_loader(kind: str, n: int, data: Rows, env: dict) -> tuple[
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, n", [("dp", 2), ("dpmp", 4)])
+@pytest.mark.long
 def test_the_prepared_steps_equal_paddles_executor_run_bit_for_bit_and_one_process(kind, n):
     """Shuffled loader runs over 2 epochs: the fast path's losses and parameters (ops run on the
     step's thread) are those of Paddle's own Executor.run (RAYDIST_COMPAT_DISABLE=executor) with

@@ -38,6 +38,7 @@ def calm(ray_session, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["calls", "compiled"])
+@pytest.mark.long
 def test_fit_survives_a_killed_rank_and_ends_where_an_undisturbed_run_does(calm, tmp_path, dispatch):
     calm_history, calm_state = calm
     marker = tmp_path / "killed"
@@ -65,6 +66,7 @@ def dies_in_its_next_build(killed: str, marker: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_failures", [1, 2])
+@pytest.mark.long
 def test_a_rank_dead_in_the_restart_is_one_more_failure_and_the_restart_is_tried_again(calm, tmp_path, max_failures):
     """A rank killed in step 4; the restart's new rank 1 dies while it builds the model. That is a
     second failure: with max_failures=1 fit raises it; with 2 the restart runs again and the run ends

@@ -141,6 +141,7 @@ print(sorted(m for m in sys.modules if m.startswith("raydist")))
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_driver_never_imports_worker_code(tmp_path):
     """Every mode, a loader, state and checkpoints: the driver process imports no rank-only module."""
     import os

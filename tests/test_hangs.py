@@ -66,6 +66,7 @@ def test_a_stopped_rank_is_a_rank_error_naming_it_within_the_step_limit(dispatch
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
+@pytest.mark.long
 def test_a_rank_stopped_between_steps_after_restarts_is_found_within_the_limit_at_the_replica_check():
     """dp2 with check_replicas=2, after two restarts (a rank killed each time): rank 1 stopped once
     its steps completed. ``dm.wait()`` then asks the ranks for their replica checks: the stopped

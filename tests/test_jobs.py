@@ -81,6 +81,7 @@ def test_token_auth_is_on(head):
     assert requests.get(f"{url}/api/version", headers=_auth(token), timeout=5).ok
 
 
+@pytest.mark.long
 def test_ray_job_submit_cli(head):
     url, _, env = head  # the CLI reads the token from RAY_AUTH_TOKEN (RAY_AUTH_MODE=token)
     done = subprocess.run(
@@ -95,6 +96,7 @@ def test_ray_job_submit_cli(head):
     _check_quickstart_output(done.stdout)
 
 
+@pytest.mark.long
 def test_raydist_launch_inside_a_job_gives_its_ranks_the_entrypoints_environment(head):
     """``ray job submit -- FOO=bar raydist launch ...``: the job's driver runs on the head, its ranks start
     from the raylets, and every rank sees FOO."""
@@ -109,6 +111,7 @@ def test_raydist_launch_inside_a_job_gives_its_ranks_the_entrypoints_environment
         assert seen["FOO"] == "bar" and seen["PADDLE_TRAINER_ID"] == str(rank), seen
 
 
+@pytest.mark.long
 def test_job_submission_client(head):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -176,6 +179,7 @@ def calm(head, tmp_path_factory):
     return tmp / "calm.npz"
 
 
+@pytest.mark.long
 def test_a_killed_driver_takes_its_ranks_and_the_script_run_again_ends_as_an_undisturbed_run(head, calm, tmp_path):
     """SIGKILL the driver after step 5 (checkpoints every 2 steps): its ranks are gone within seconds;
     the script run again resumes after step 4 and ends with the losses and parameters of the calm run."""
@@ -193,6 +197,7 @@ def test_a_killed_driver_takes_its_ranks_and_the_script_run_again_ends_as_an_und
     _same_run(tmp_path / "run.npz", calm)
 
 
+@pytest.mark.long
 def test_a_stopped_job_submitted_again_ends_as_an_undisturbed_run(head, calm, tmp_path):
     """ray job submit; ray job stop after step 5; ray job submit again: the calm run's numbers."""
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -228,6 +233,7 @@ def test_a_stopped_job_submitted_again_ends_as_an_undisturbed_run(head, calm, tm
 # -- a detached model: tests/detached.py, killed, attached from new processes ----------------------
 
 
+@pytest.mark.long
 def test_a_detached_model_outlives_its_killed_driver_and_is_attached_held_taken_over_and_ended(head, tmp_path):
     """`helpers.detached_story`, the drivers on the head's GCS address (with token authentication)."""
     story = detached_story(head[2], tmp_path)

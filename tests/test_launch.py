@@ -76,6 +76,7 @@ def test_every_rank_sees_the_launching_environment_set_after_the_local_ray_start
     assert [(s["FOO"], s["BAZ"]) for s in seen_env(out.getvalue())] == [(None, "qux"), (None, "qux")]
 
 
+@pytest.mark.long
 def test_paddles_glog_lines_are_quiet_unless_asked_for(tmp_path):
     script = tmp_path / "spmd.py"
     script.write_text(SPMD)
@@ -97,6 +98,7 @@ def test_a_failing_rank_fails_the_launch_and_stops_the_others(tmp_path):
     wait_gone([int((tmp_path / f"pid{r}").read_text()) for r in range(2)])  # rank 0 was blocked in a collective
 
 
+@pytest.mark.long
 def test_the_command_line(tmp_path):
     script = tmp_path / "spmd.py"
     script.write_text(SPMD + "\nif '--exit' in sys.argv: sys.exit(7)\n")
@@ -188,6 +190,7 @@ def test_paddle_example_shard_dataloader_with_dict_batches(tmp_path):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.long
 def test_paddle_example_shard_tensor_on_the_six_ranks_of_its_mesh(tmp_path):
     source, (status, out, err) = run_example(tmp_path, paddle.distributed.shard_tensor, 0, n=6)
     assert "dist.ProcessMesh([[2, 4, 5], [0, 1, 3]]" in source

@@ -70,6 +70,7 @@ def two_stages():
     return pp_net.PPDemoNet(dist.ProcessMesh([0], dim_names=["pp"]), dist.ProcessMesh([1], dim_names=["pp"]))
 
 
+@pytest.mark.long
 def test_fthenb_then_1f1b_in_one_script_equal_the_driver_path_and_one_process():
     status, out, err, _ = run("pp_schedules.py", 2)
     assert status == 0, err[-4000:]
@@ -81,6 +82,7 @@ def test_fthenb_then_1f1b_in_one_script_equal_the_driver_path_and_one_process():
         assert_close(driver_path(two_stages, sgd, pp_net.pipeline_strategy(mode), 2), expected, what=f"{mode}, driver path")
 
 
+@pytest.mark.long
 def test_pp2_x_dp2_equals_the_driver_path_and_one_process():
     """Four ranks: fleet.init (which DistModel calls under a launcher) makes hybrid gloo groups after
     the global one, two of them at once (raydist.compat.groups)."""
@@ -100,6 +102,7 @@ def test_pp2_x_dp2_equals_the_driver_path_and_one_process():
 
 
 @pytest.mark.parametrize("place", ["0,1,0,1", "0,0,1,1"])
+@pytest.mark.long
 def test_vpp_with_segments_by_block_class_equals_the_driver_path_and_one_process(place):
     """Blocks on stages 0,1,0,1 (as VPP assigns segments), and 0,0,1,1: VPP then moves blocks 1 and 2
     to the other stage's mesh at initialisation (raydist.compat.stages, case 2)."""
@@ -124,6 +127,7 @@ def test_vpp_with_segments_by_block_class_equals_the_driver_path_and_one_process
     assert_close(driver_path(build, adamw, vpp, 2), expected, what="driver path")
 
 
+@pytest.mark.long
 def test_a_rank_process_that_outlives_its_script_is_ended_with_the_scripts_status_and_named():
     status, out, err, took = run("lingers.py", 2, "--fail")
     assert status == 3, err[-3000:]
@@ -135,6 +139,7 @@ def test_a_rank_process_that_outlives_its_script_is_ended_with_the_scripts_statu
     assert status == 0 and "lingered" in err, err[-3000:]
 
 
+@pytest.mark.long
 def test_without_the_degree_fix_1f1b_fails_on_cpu_and_the_launch_still_ends():
     """Canary for raydist.compat.degree: with pp_degree left at 1, Paddle puts both ranks in stage 0,
     and 1F1B on CPU blocks until gloo's timeout. The launch ends, with a failure, either way."""

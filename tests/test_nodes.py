@@ -26,6 +26,7 @@ TWO_NODES = """
 """
 
 
+@pytest.mark.long
 def test_user_modules_the_builder_reaches_travel_by_value_to_another_node():
     """``lambda: mymodels.MLP(mesh)`` in __main__, MLP in a module no node can import."""
     out = run_driver(TWO_NODES + """
@@ -60,6 +61,7 @@ def test_user_modules_the_builder_reaches_travel_by_value_to_another_node():
     assert "trained on another node" in out
 
 
+@pytest.mark.long
 def test_a_stale_ray_address_file_starts_a_fresh_local_ray():
     """Ray's address file names a cluster that is gone: raydist starts its own, and says why."""
     import socket

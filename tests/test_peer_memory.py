@@ -168,6 +168,7 @@ def test_a_killed_tensor_parallel_rank_comes_back_from_peer_memory_and_replays_t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [[[0], [1]], [[0, 1], [2, 3]]], ids=["pp2", "pp2xmp2"])
+@pytest.mark.long
 def test_a_killed_pipeline_rank_comes_back_from_peer_memory_in_a_plain_loop(stages):
     """1F1B pipelines (pp2, and pp2 x mp2 whose stages are column-parallel): the last rank killed
     after 5 steps; peer memory every 2 steps gives the state after 4, the 5th is replayed."""
@@ -192,6 +193,7 @@ def test_before_the_first_copy_a_restart_replays_from_the_builders_state():
     assert_params_equal(params, ref.params())
 
 
+@pytest.mark.long
 def test_after_a_load_a_restart_never_takes_a_copy_of_the_state_before_it(tmp_path):
     """mp2, peer_memory=2: a model trains 2 steps (a copy after 2), then loads a checkpoint another
     model saved after 5 steps, trains one more, and loses a rank. The copy after 2 is of the state
@@ -284,6 +286,7 @@ LOSE_NODES = """
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_a_lost_node_of_a_tensor_parallel_fit_comes_back_from_peer_memory_with_no_disk():
     """mp2 on two nodes and a spare one, ``fit`` with no checkpoint_dir and peer_memory=4: the node of
     rank 1 goes after 5 steps (with it, rank 0's copies; a 6th may be in flight). Rank 0's own copy
@@ -303,6 +306,7 @@ def test_a_lost_node_of_a_tensor_parallel_fit_comes_back_from_peer_memory_with_n
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_a_rank_and_the_node_of_its_copy_both_lost_fall_back_to_the_checkpoint_and_say_so(tmp_path):
     """mp2 on two nodes, two spare ones; rank 0's copies are on rank 1's node and rank 1's on rank
     0's. Both nodes go after 5 steps: no copy is left, the restart goes back to the checkpoint after
@@ -346,6 +350,7 @@ def _flip(tmp_path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.long
 def test_a_flipped_bit_in_one_replica_is_caught_at_the_next_check_and_restart_goes_back_before_it(dynamic, tmp_path):
     """dp2 x mp2, AdamW, check_replicas=2 and peer_memory=2; a bit of a parameter flips on rank 2
     after step 5. The check after step 6 finds ranks 0 and 2 (its two replicas: no majority)
@@ -379,6 +384,7 @@ def test_a_flipped_bit_in_one_replica_is_caught_at_the_next_check_and_restart_go
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_fit_recovers_from_a_flipped_bit_and_ends_as_one_process(tmp_path):
     """The same corruption in fit(max_failures=1), no checkpoint_dir: the mismatch is recovered
     like a lost rank, from peer memory before it, and the history is one process's."""
@@ -452,6 +458,7 @@ def test_a_detached_model_with_peer_memory_comes_back_from_it_and_its_keepers_en
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.long
 def test_after_an_elastic_resize_a_killed_rank_comes_back_from_peer_memory(dynamic):
     """An elastic model, (2, 4) ranks of dp x mp2, peer_memory=2: at 4 ranks for 3 steps, moved to
     2 (the state handed over live; the group's copies start from it), then rank 1 killed after
@@ -471,6 +478,7 @@ def test_after_an_elastic_resize_a_killed_rank_comes_back_from_peer_memory(dynam
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_after_a_mismatch_fit_goes_back_to_a_checkpoint_before_it_and_saves_those_steps_again(tmp_path):
     """No peer memory, checkpoints every 2 steps, check_replicas=4; a bit flips on rank 2 after step 5.
     The check after step 8 finds it once steps 6 and 8 are saved: the restart loads step 4 (the last

@@ -46,6 +46,7 @@ def _assert_params(dm, ref: Reference) -> None:
     ids=["FThenB-2-sgd", "FThenB-4-adamw", "1F1B-2-adamw", "1F1B-4-sgd", "VPP-2-adamw", "3stages-1F1B-4-adamw",
          "pp2xmp2-1F1B-2-adamw", "stages-only"],  # fmt: skip
 )
+@pytest.mark.long
 def test_pipelines_train_eval_and_predict_like_one_process(stages, blocks, strategy, optimizer):
     """Every mode, in any order (predict and eval before the first train step, and between
     train steps), from parameters set through set_state_dict, and the parameters after:
@@ -75,6 +76,7 @@ def test_pipelines_train_eval_and_predict_like_one_process(stages, blocks, strat
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_pp2_by_dp2_reads_a_loader_per_stage_and_checkpoints_move_between_layouts(tmp_path):
     """pp2 x dp2: the first stage's ranks read the inputs, the last stage's the labels, each
     row once (the losses of one process over the loader's global batches). A checkpoint saved

@@ -72,6 +72,7 @@ DRAIN = """
 """
 
 
+@pytest.mark.long
 def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_failure():
     """dp x mp2, num_workers=(2, 4) over two nodes, fit with max_failures=0: a notice for one node
     after step 3; the model moves to 2 ranks on the other with the live state (no step lost, no
@@ -96,6 +97,7 @@ def test_elastic_fit_moves_off_a_draining_node_before_its_deadline_without_a_fai
     assert "moved off like one process" in out and "preemption notice" in out
 
 
+@pytest.mark.long
 def test_a_plain_loop_moves_off_a_draining_node_then_grows_back_when_one_joins():
     """The same in a `for batch in loader(): dm(*batch)` loop: the notice is acted on at the next
     call (the rest of the epoch re-split over the remaining data-parallel group), the node goes, a
@@ -134,6 +136,7 @@ def test_a_plain_loop_moves_off_a_draining_node_then_grows_back_when_one_joins()
     assert "moved off and grew back like one process" in out and "moving off it, from 4 to 2 ranks" in out
 
 
+@pytest.mark.long
 def test_a_fixed_size_fit_moves_off_a_draining_node_when_the_others_have_room():
     """dp x mp2 on 4 ranks (fixed) over three nodes with room for 6: a notice for a node of the ranks
     after step 3 moves the 4 ranks off it before its deadline, with the live state: no checkpoint,
@@ -158,6 +161,7 @@ def test_a_fixed_size_fit_moves_off_a_draining_node_when_the_others_have_room():
     assert "a fixed size moved off like one process" in out and "moving off it, from 4 to 4 ranks" in out
 
 
+@pytest.mark.long
 def test_a_fixed_size_fit_checkpoints_at_the_notice_and_loses_no_step_when_the_node_goes():
     """dp x mp2 on 4 ranks (fixed) over two nodes, fit with max_failures=0: a notice after step 3
     is a checkpoint at the next step boundary; the node goes, a new one joins, and the ranks restart

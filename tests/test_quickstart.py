@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.cluster  # an embedded local Ray of its own, as a user's run starts
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_quickstart_runs_and_learns():
     env = {**os.environ, "QUICKSTART_STEPS": "40", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)

@@ -16,6 +16,7 @@ from helpers import detached_story, said, tell
 pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]  # a Ray head of its own
 
 
+@pytest.mark.long
 def test_a_detached_model_through_ray_client_is_attached_after_its_driver_is_killed_and_taken_over(ray_head, tmp_path):
     """`helpers.detached_story` with every driver through ``ray://`` (``RAY_ADDRESS``): a killed
     client's job outlives it by Ray's reconnect grace, yet the next driver attaches without
@@ -83,6 +84,7 @@ ELASTIC = """
 """
 
 
+@pytest.mark.long
 def test_an_elastic_fit_through_ray_client_grows_into_a_joining_node_and_moves_off_a_draining_one(ray_head):
     """One worker node: the model starts at 2 ranks. A node joins after step 2: raydist, through the
     client, sees the room and grows to 4. A preemption notice (``ray drain-node``, deadline 120 s)
@@ -122,6 +124,7 @@ def test_an_elastic_fit_through_ray_client_grows_into_a_joining_node_and_moves_o
     assert [(e["kind"], e.get("why")) for e in events if e["kind"] != "drain"] == [("resize", "grow"), ("resize", "drain")]
 
 
+@pytest.mark.long
 def test_a_killed_client_drivers_run_resumes_through_ray_client_and_ends_as_one_process(ray_head, tmp_path):
     """tests/resumable.py through ``ray://``: fit checkpointing every 2 steps, the driver SIGKILLed after
     step 5; run again with ``resume=True`` it goes on after step 4 and its 12 losses and parameters

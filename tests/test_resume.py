@@ -75,6 +75,7 @@ def calm(ray_session, tmp_path_factory):
     return history, state
 
 
+@pytest.mark.long
 def test_a_run_broken_off_goes_on_from_its_newest_checkpoint_and_ends_as_an_undisturbed_one(calm, tmp_path):
     calm_history, calm_state = calm
     directory = tmp_path / "ck"
@@ -98,6 +99,7 @@ def test_a_run_broken_off_goes_on_from_its_newest_checkpoint_and_ends_as_an_undi
         np.testing.assert_array_equal(state[name], value, err_msg=name)
 
 
+@pytest.mark.long
 def test_a_directory_of_another_run_is_refused_before_any_step_saying_how_it_differs(calm, tmp_path):
     directory = tmp_path / "ck"
     with pytest.raises(Broken):

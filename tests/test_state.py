@@ -55,6 +55,7 @@ def test_set_state_dict_misuse_is_refused_and_the_model_goes_on():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_save_and_load_on_the_same_and_other_meshes(tmp_path):
     data = batches(4)
     ref = Reference(adamw())
@@ -100,6 +101,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_save_killed_halfway_leaves_the_old_checkpoint_intact(tmp_path):
     """Rank 1 dies after writing its shard file, before the rename and the manifest."""
     x, y = batches(1)[0]
@@ -123,6 +125,7 @@ def test_a_save_killed_halfway_leaves_the_old_checkpoint_intact(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_background_save_whose_rank_dies_while_writing_leaves_the_old_checkpoint_and_nothing_complete(tmp_path):
     """save(background=True) returns once the ranks hold their snapshots; rank 1 dies after writing
     its file in the background: the calls after it raise RankError naming it, the staging directory

@@ -154,6 +154,7 @@ STEP_S = 0.5  # what `faults.slow_steps` adds to every step of the test below
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("dispatch", ["compiled", "calls", "tree"])
+@pytest.mark.long
 def test_steps_run_ahead_and_match_single_process(dispatch):
     """Every step takes STEP_S more on the ranks (`faults.slow_steps`): each call returns before
     its step is done, at once while fewer than max_in_flight steps run; the losses, outputs and
@@ -185,6 +186,7 @@ def test_steps_run_ahead_and_match_single_process(dispatch):
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dispatch", ["compiled", "calls", "tree"])
+@pytest.mark.long
 def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
     loader = raydist.shard_dataloader(Poisoned(40), DPMP_MESH, shard_dims="dp", batch_size=8, prefetch=1)
     with raydist.to_static(build("dpmp"), loader, paddle.nn.MSELoss(), sgd(), num_workers=4, dispatch=dispatch,
@@ -202,6 +204,7 @@ def test_a_rank_failing_in_a_step_names_the_step_and_rank(dispatch):
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.timeout(240)
+@pytest.mark.long
 def test_steps_sent_together_equal_one_process_and_a_death_among_them_names_its_step():
     data = batches(10)
     ref = Reference(sgd())

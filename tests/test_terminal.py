@@ -50,6 +50,7 @@ def _holder(head, name: str, hold: bool = True) -> subprocess.Popen:
     return start_driver(HOLDER.replace("NAME", repr(name)).replace("HOLD", str(hold)), RAY_ADDRESS=head.address)
 
 
+@pytest.mark.long
 def test_status_lists_a_held_detached_model_and_stop_ends_it_only_with_force(ray_head):
     """A detached model a live driver holds: ``raydist status`` (through Ray Client) names its holder, size,
     mode, step, node, last checkpoint and each rank; ``--json`` (through RAY_ADDRESS) says the same.
@@ -97,6 +98,7 @@ def test_status_lists_a_held_detached_model_and_stop_ends_it_only_with_force(ray
     assert "terminal-held" not in raydist_command("status", "--address", ray_head.address).stdout
 
 
+@pytest.mark.long
 def test_a_detached_model_no_driver_holds_is_listed_so_and_stopped_without_force(ray_head):
     holder = _holder(ray_head, "terminal-free", hold=False)
     pids = json.loads(said(holder, "ready"))["pids"]
@@ -118,6 +120,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.long
 def test_status_shows_a_launched_script_and_stop_ends_it(ray_head, tmp_path):
     script = tmp_path / "waits.py"
     script.write_text(WAITS)
@@ -155,6 +158,7 @@ def test_the_commands_fail_clearly_and_at_once_when_no_cluster_is_there():
         assert "Traceback" not in done.stderr
 
 
+@pytest.mark.long
 def test_raydist_launch_gives_every_rank_the_launching_shells_environment_on_a_cluster(ray_head):
     """``FOO=bar raydist launch --address <head>``: every rank sees FOO and ``--env BAZ=qux``, its own
     PADDLE_TRAINER_ID (over the shell's and ``--env``'s), and none of the launching machine's

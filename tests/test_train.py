@@ -70,6 +70,7 @@ def _trainer_class():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_paddle_loop_under_ray_train_survives_a_failure_and_equals_one_process(tmp_path):
     x, y = _data()
     trainer = _trainer_class()(

@@ -148,6 +148,7 @@ def test_evaluate_reports_accuracy_top1_and_topk_as_one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_evaluate_over_a_loader_and_precision_of_a_binary_classifier():
     import ray
 
@@ -371,6 +372,7 @@ def tune_trainable(config):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_ray_tune_trials_train_side_by_side_and_asha_stops_one_freeing_its_ranks(tmp_path):
     import sys
 

@@ -86,6 +86,7 @@ def test_timeline_refuses_a_bad_steps_before_asking_the_ranks(tmp_path):
         assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1] == ["step 0"]
 
 
+@pytest.mark.long
 def test_the_runs_events_of_a_growth_failures_a_restart_and_checkpoints_in_order_and_in_events_jsonl(tmp_path):
     """dp x mp2 on (2, 4) ranks, 2 epochs of 8 steps, a checkpoint every 4 steps, max_failures=1: it
     starts at 2 (a placement group holds the other CPUs), grows to 4 once it goes, loses rank 1
@@ -202,6 +203,7 @@ METERED = """
 
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
+@pytest.mark.long
 def test_ray_metrics_reach_the_clusters_prometheus_endpoint_tagged_with_the_model(ray_head):
     """A driver through Ray Client trains 56 steps, then goes on; the head's metrics endpoint (``ray start
     --metrics-export-port``) holds each rank's step counter, rising, and step times of the right order,

@@ -15,13 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import logging
+import os
 import threading
+import uuid
 
 import numpy as np
 import ray
-
-import os
-import uuid
 
 from ... import checkpoint, weights
 from ...handover import StateMap, Tensor
@@ -138,7 +137,8 @@ class ModelState:
             self.client.call_each(RankActor.write_weights, {
                 rank: (staged, format, mine, {n: state[n] for _, names in mine for n in names}, prefix)
                 for rank, mine in plan.items()})  # fmt: skip
-            total = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype, _ in meta.values())
+            total = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                        for shape, dtype, _ in meta.values())  # fmt: skip
             weights.write_index(staged, format, [(f, [n[len(prefix):] for n in names]) for f, names in files], total)
             os.replace(staged, path)
         except BaseException:
