@@ -64,13 +64,13 @@ class Tensor:
         """The keys of the pieces that ``rank``'s piece under ``target`` overlaps."""
         if self.layout is None or self.layout.partial:
             return list(self.pieces)
-        box = box(target, rank, self.shape)
+        box = shard_box(target, rank, self.shape)
         return [key for key in self.pieces
                 if all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(box, _piece_box(self.layout, key, self.shape)))]
 
     def cut(self, target: Layout | None, rank: int) -> np.ndarray:
         """``rank``'s piece under ``target`` (None: the whole tensor), from the pieces that overlap it."""
-        box = box(target, rank, self.shape)
+        box = shard_box(target, rank, self.shape)
         layout = self.layout
         if layout is None or layout.partial:  # whole, or partial values (not state): the whole tensor
             if layout is None:
@@ -131,7 +131,7 @@ def fetch(source: Any) -> np.ndarray:
     return ray.get(source) if isinstance(source, ray.ObjectRef) else source.fetch()
 
 
-def box(layout: Layout | None, rank: int, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+def shard_box(layout: Layout | None, rank: int, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     """[start, stop) per dim of ``rank``'s piece under ``layout`` (`Layout.local`'s even split)."""
     box = [(0, n) for n in shape]
     if layout is None:

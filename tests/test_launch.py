@@ -210,6 +210,7 @@ def _losses(text: str, rank: int) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(rf"^\[rank {rank}\] LOSS (\d+) (\S+)$", text, re.M)}
 
 
+@pytest.mark.long
 def test_a_rank_killed_after_its_first_checkpoint_restarts_every_rank_and_the_run_ends_as_an_uninterrupted_one(
         tmp_path):  # fmt: skip
     """A plain Paddle loop of a Trainer's shape (it resumes from its latest checkpoint): rank 1 SIGKILLed
@@ -225,7 +226,8 @@ def test_a_rank_killed_after_its_first_checkpoint_restarts_every_rank_and_the_ru
     status = launch(str(RESUMES), [str(tmp_path / "hurt"), "die"], 2, stdout=out, stderr=err, max_restarts=2,
                     log_dir=str(tmp_path / "logs"), ranks_filter=[0])  # fmt: skip
     assert status == 0, err.getvalue()
-    assert re.search(r"raydist launch: restart 1 of 2, after rank 1 failed \(process died", err.getvalue()), err.getvalue()
+    said = err.getvalue()
+    assert re.search(r"raydist launch: restart 1 of 2, after rank 1 was ended by SIGKILL \(status -9\)", said), said
     assert "RESUMED 2 restart 1 of 2" in out.getvalue() and "[rank 1]" not in out.getvalue() + err.getvalue()
     assert _losses(out.getvalue(), 0) == _losses(calm, 0) and len(_losses(calm, 0)) == 8
     assert re.findall(r"FINAL (\S+)", out.getvalue()) == re.findall(r"\[rank 0\] FINAL (\S+)", calm)
@@ -255,7 +257,8 @@ def test_raydist_stop_ends_a_launch_with_restarts_left_and_status_counts_its_res
         assert time.monotonic() < deadline and runner.is_alive(), out.getvalue() + err.getvalue()
         time.sleep(0.2)
     shown = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    assert "waits  launched script waits.py" in shown.stdout and "restarted 1 time," in shown.stdout, shown.stdout
+    assert "waits  launched script waits.py" in shown.stdout, shown.stdout
+    assert re.search(r"restarted 1 time$", shown.stdout, re.M), shown.stdout
     stopped = subprocess.run([sys.executable, "-m", "raydist", "stop", "waits", "--address", address],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert stopped.returncode == 0, stopped.stderr

@@ -201,6 +201,7 @@ def test_a_paddle_style_script_configured_by_its_environment_runs_the_configurat
 RESUMES = TESTS / "paddle_style" / "resumes.py"
 
 
+@pytest.mark.long
 def test_a_preemption_notice_restarts_a_launched_script_on_another_node_before_the_deadline(ray_head, tmp_path):
     """``raydist launch --max-restarts 1`` of a script that resumes from its own checkpoints, its two
     ranks on one of two worker nodes: a preemption notice for that node (``ray drain-node``, 120 s

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -311,7 +312,16 @@ def _cause(codes: list) -> str:
     if isinstance(code, str) and code.startswith(DRAINING):
         ranks = ", ".join(str(r) for r, c in enumerate(codes) if c == code)
         return f"a {code} (it runs ranks {ranks})"
+    if isinstance(code, int) and code < 0:  # the script's process was ended by a signal (-9: SIGKILL)
+        return f"rank {rank} was ended by {_signal_name(-code)} (status {code})"
     return f"rank {rank} exited with status {code}" if isinstance(code, int) else f"rank {rank} failed ({code})"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 class WorkerLogs:

@@ -72,7 +72,7 @@ def load(layer, given: weights.Weights, rank: int) -> None:
                              f"{' (a Linear weight, [out, in] in safetensors)' if name in transposed else ''}, "
                              f"{shape} in the layer")  # fmt: skip
         layout = layout_of_tensor(tensor) if tensor.is_dist() else None
-        box = handover.box(layout, rank, shape)
+        box = handover.shard_box(layout, rank, shape)
         local = reader.read(name, box[::-1]).T if name in transposed else reader.read(name, box)
         target = tensor._local_value() if tensor.is_dist() else tensor
         dtype = np.dtype(weights.paddle_dtype(target.dtype))
