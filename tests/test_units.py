@@ -770,15 +770,17 @@ def test_raydist_launch_passes_the_scripts_own_arguments_and_the_env_options_thr
     script = tmp_path / "train.py"
     script.touch()
     calls = []
+    DEFAULTS = dict(max_restarts=0, log_dir=None, ranks_filter=None, resources_per_rank=None,
+                    placement_strategy="PACK")  # fmt: skip
     monkeypatch.setattr(launch, "launch", lambda *a, **k: calls.append((a, k)) or 0)
     assert cli.main(["launch", "-n", "3", "--gpus", "--name", "job", "--env", "A=1", "--env", "B=x=y", str(script),
                      "-n", "5", "--gpus", "--env", "C=2", "x"]) == 0  # fmt: skip
     assert calls[-1] == ((str(script), ["-n", "5", "--gpus", "--env", "C=2", "x"], 3),
                          dict(use_gpu=True, paddle_logs=False, name="job", env={"A": "1", "B": "x=y"},
-                              pass_env=True))  # fmt: skip
+                              pass_env=True, **DEFAULTS))  # fmt: skip
     assert launch.main(["-n", "2", "--paddle-logs", "--no-env", str(script)]) == 0
     assert calls[-1] == ((str(script), [], 2), dict(use_gpu=False, paddle_logs=True, name=None, env={},
-                                                    pass_env=False))  # fmt: skip
+                                                    pass_env=False, **DEFAULTS))  # fmt: skip
     for bad in ("A", "=1"):
         with pytest.raises(SystemExit) as info:
             cli.main(["launch", "-n", "2", "--env", bad, str(script)])
