@@ -65,8 +65,7 @@ class Tensor:
         if self.layout is None or self.layout.partial:
             return list(self.pieces)
         box = shard_box(target, rank, self.shape)
-        return [key for key in self.pieces
-                if all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(box, _piece_box(self.layout, key, self.shape)))]
+        return [key for key in self.pieces if overlaps(box, _piece_box(self.layout, key, self.shape))]
 
     def cut(self, target: Layout | None, rank: int) -> np.ndarray:
         """``rank``'s piece under ``target`` (None: the whole tensor), from the pieces that overlap it."""
@@ -83,12 +82,20 @@ class Tensor:
         if out.size == 0:
             return out
         for key in self.needed(target, rank):
-            piece_box = _piece_box(layout, key, self.shape)
-            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, piece_box)]
-            piece = fetch(self.pieces[key])
-            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))] = \
-                piece[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, piece_box))]  # fmt: skip
+            paste(out, box, fetch(self.pieces[key]), _piece_box(layout, key, self.shape))
         return out
+
+
+def overlaps(box: list[tuple[int, int]], other: list[tuple[int, int]]) -> bool:
+    """Whether two boxes ([start, stop) per dim) share any element."""
+    return all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(box, other))
+
+
+def paste(out: np.ndarray, box: list[tuple[int, int]], piece: np.ndarray, piece_box: list[tuple[int, int]]) -> None:
+    """Copy into ``out`` (the values of ``box``) the part of ``piece`` (the values of ``piece_box``) inside it."""
+    shared = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, piece_box)]
+    out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(shared, box))] = \
+        piece[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(shared, piece_box))]  # fmt: skip
 
 
 StateMap = dict[str, Tensor]

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from . import handover
+
 FORMATS = ("safetensors", "paddle")  # what `DistModel.export` writes
 
 
@@ -309,12 +311,8 @@ class DistcpReader(Reader):
         out = np.empty([b - a for a, b in box], dtype=self._meta[name][1])
         for offset, local_shape, file in self._pieces[name]:
             piece_box = [(o, o + s) for o, s in zip(offset, local_shape)]
-            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, piece_box)]
-            if any(lo >= hi for lo, hi in overlap):
-                continue
-            piece = np.asarray(self._file(file)[name])
-            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))] = \
-                piece[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, piece_box))]  # fmt: skip
+            if handover.overlaps(box, piece_box):
+                handover.paste(out, box, np.asarray(self._file(file)[name]), piece_box)
         return out
 
 
