@@ -275,7 +275,9 @@ def _plain_loop(dm, batches: list, ck: str, tick) -> list[float]:
             except raydist.RankError:  # a node lost while the ranks are placed: try again, from the same
                 continue
         restart = [e for e in dm.events() if e["kind"] == "restart"][-1]
-        return resumed + restart["trained"] if restart["source"] != "start" else 0
+        if restart["source"] == "start" and restart["behind"] is None:  # the builders' state, no step replayed
+            return 0
+        return resumed + restart["trained"]  # (from the start, too, when its steps were replayed)
 
     while i < len(batches):
         try:

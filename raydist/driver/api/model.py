@@ -576,7 +576,12 @@ class DistModel:
         on a data-parallel mesh) at the last step the driver saw complete: then
         nothing is lost but the steps that failed. Otherwise it is the last
         checkpoint this model saved or loaded; with none, the model starts from
-        its initial parameters again. Steps in flight are dropped; step numbers
+        its initial parameters again (and, when no checkpoint was ever loaded and
+        the driver still holds the batches, replays the train steps since). The
+        restart's event in `events` says where the state stands: ``source``,
+        ``trained`` (the train steps it is after) and ``behind`` (None: the
+        checkpoint's or the initial state, with no step replayed; a loop goes
+        back to it). Steps in flight are dropped; step numbers
         go on from where they were. An elastic model comes back at the largest
         accepted size the cluster holds now (waiting, up to
         ``placement_timeout_s``, for its minimum).
