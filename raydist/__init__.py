@@ -10,11 +10,11 @@ switches modes, sends batches and gathers results::
 """
 
 from .data import Handle, ShardDataloader, shard_dataloader
-from .driver.lifecycle.detached import ModelHeldError
 from .driver.api.model import DistModel, to_static
 from .driver.api.resume import CheckpointInfo, latest_checkpoint
 from .driver.api.status import ModelStatus, RankStatus, models, status
 from .driver.dispatch.window import Loss
+from .driver.lifecycle.detached import ModelHeldError
 from .errors import GroupShutdownError, RankError, ReplicaMismatchError, UsageError
 from .weights import Weights
 

@@ -14,10 +14,10 @@ What users hold. It reads like Paddle's class and delegates each job to one part
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,18 +26,18 @@ from ... import pickling
 from ...data.loader import ShardDataloader
 from ...strategy import micro_batch_size, micro_batches
 from ...weights import Weights
-from ..dispatch.client import RankClient
-from ..cluster.connect import init_ray, ray_started_here
 from ..cluster.config import GroupConfig
-from ..model.inputs import InputSpecs, leaves
+from ..cluster.connect import init_ray, ray_started_here
+from ..dispatch.client import RankClient
+from ..dispatch.window import Loss
 from ..lifecycle.lifecycle import Dispatch, Lifecycle
+from ..model.inputs import InputSpecs, leaves
 from ..model.modes import MODES, Modes
 from ..model.rates import LearningRate
 from ..model.results import combine
 from ..model.state import ModelState
-from .status import RankStatus, rank_status
-from ..dispatch.window import Loss
 from ..model.validation import check_arguments, group_sizes, input_specs
+from .status import RankStatus, rank_status
 
 if TYPE_CHECKING:
     from ..model.schedule import RankScheduler
@@ -187,7 +187,7 @@ class DistModel:
         check_replicas: int | None = None,
         replica_mismatch: str = "raise",
         dynamic: bool = False,
-        weights: "str | Weights | None" = None,
+        weights: str | Weights | None = None,
     ) -> None:
         check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, max_in_flight=max_in_flight,
                         steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks, name=name,
@@ -260,7 +260,7 @@ class DistModel:
                         life.meshes)  # fmt: skip
 
     @classmethod
-    def _attached(cls, hold: Any, snapshot: Any, actors: list, pg: Any, rate: Any, loader: Any) -> "DistModel":
+    def _attached(cls, hold: Any, snapshot: Any, actors: list, pg: Any, rate: Any, loader: Any) -> DistModel:
         """The model of a detached group of ranks that runs already (see `raydist.attach`)."""
         self = cls.__new__(cls)
         self._wire(snapshot.config, snapshot.sizes, snapshot.dispatch, snapshot.payload, snapshot.metrics,
@@ -592,7 +592,7 @@ class DistModel:
         """Stop the ranks now, without completing the steps in flight."""
         self._life.close()
 
-    def __enter__(self) -> "DistModel":
+    def __enter__(self) -> DistModel:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

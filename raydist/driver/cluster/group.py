@@ -25,13 +25,13 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ...env import RankPlace, paddle_env
-from ...messages import Progress
 from ...errors import GroupShutdownError, RankError, RankFailed, UsageError
+from ...messages import Progress
 from ...protocol import RankActor
 from .config import GroupConfig, ping_all, start_actor
 from .failures import rank_error, refused, steps_failed
-from .state import draining_nodes
 from .placement import alive_nodes, wait_placed
+from .state import draining_nodes
 
 if TYPE_CHECKING:
     from ..dispatch.hangs import Watch
@@ -73,7 +73,7 @@ class RankGroup:
         self._on_shutdown: list = []
         self._on_death: list = []
         self._on_failure: list = []
-        self._default_watch: "Watch | None" = None
+        self._default_watch: Watch | None = None
         self._started = False  # placed, joined and set up
         if adopt is None:
             self._start()
@@ -200,7 +200,7 @@ class RankGroup:
             raise GroupShutdownError(self._why)
 
     def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
-               watch: "Watch | None" = None, steps: range | None = None, later: Sequence[Sequence] = ()) -> list:
+               watch: Watch | None = None, steps: range | None = None, later: Sequence[Sequence] = ()) -> list:
         """Results of ``refs`` (one per rank in ``ranks``, default all, in order; ``steps``:
         the steps they run, if they are a message's; ``later``: the refs of the messages sent
         after it, whose failed steps also say where a rank died).
@@ -231,7 +231,7 @@ class RankGroup:
             sent = [*refs, *(r for out in later for r in out)] if steps is not None else []
             raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1, steps, sent) from e
 
-    def _watch(self) -> "Watch | None":
+    def _watch(self) -> Watch | None:
         """The limit on any call to the ranks (``step_timeout_s``; None: none), for the calls made
         without a client's: a rank that stops answering is found as in a step, whatever it was asked."""
         if not self._started:  # a rank that starts (its process, Paddle's import) answers no ping yet

@@ -38,7 +38,8 @@ import operator
 import signal
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -67,7 +68,7 @@ class Step:
 
     __slots__ = ("number", "message", "finish", "parcel", "_window", "_value", "_error", "done")
 
-    def __init__(self, number: int, message: Any, finish: Callable[[Any], Any], window: "Window"):
+    def __init__(self, number: int, message: Any, finish: Callable[[Any], Any], window: Window):
         self.number = number
         self.message = message  # until sent
         self.finish = finish  # the ranks' results of this step -> the step's result

@@ -69,7 +69,7 @@ class Holder:
     client: bool = False
 
     @classmethod
-    def here(cls) -> "Holder":
+    def here(cls) -> Holder:
         return cls(ray.get_runtime_context().get_job_id(), os.getpid(), socket.gethostname(), time.time(),
                    through_client())  # fmt: skip
 
@@ -174,7 +174,7 @@ class Hold:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def create(cls, name: str) -> "Hold":
+    def create(cls, name: str) -> Hold:
         """A new record for a model ``name``; a ValueError if a detached model of that name exists."""
         holder = Holder.here()
         try:

@@ -6,17 +6,17 @@ instead; nothing has been started or sent yet.
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import ray
 
 from ...data.loader import ShardDataloader
 from ...specs import from_input_spec, spec_of
-from ...strategy import check as check_strategy, check_dynamic
+from ...strategy import check as check_strategy
+from ...strategy import check_dynamic
 from ..cluster.sizes import Sizes, sizes_of
-from .inputs import leaves, to_array
 from ..dispatch.window import check_window
+from .inputs import leaves, to_array
 
 DISPATCH = ("auto", "compiled", "calls", "tree")
 
@@ -47,7 +47,8 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
                 "of your DataLoader, or a ray.data.Dataset), and each rank reads its own rows"
             )
         raise TypeError(
-            f"loader must be a raydist.shard_dataloader(...), a paddle.io.DataLoader or None, got {type(loader).__name__}"
+            "loader must be a raydist.shard_dataloader(...), a paddle.io.DataLoader or None, "
+            f"got {type(loader).__name__}"
         )
     if loss is not None and not callable(loss):
         raise TypeError(f"loss must be a paddle.nn.Layer or a callable, got {type(loss).__name__}")
