@@ -43,6 +43,7 @@ from ..driver.cluster.group import RankGroup
 from ..driver.lifecycle.detached import Holder
 from ..driver.lifecycle.preemption import DrainWatch
 from ..env import QUIET_GLOG_LEVEL, launching_env
+from ..options import PlacementConfig
 from ..protocol import Member
 from .spmd import END_FD
 
@@ -204,8 +205,8 @@ def launch(
     with open(script, encoding="utf-8") as f:
         source = f.read()
     given = {**(launching_env(os.environ) if pass_env else {}), **(env or {})}
-    config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, name=name or "raydist-launch",
-                         paddle_logs=paddle_logs, actor_class=ScriptActor)  # fmt: skip
+    config = GroupConfig(num_workers, use_gpu, PlacementConfig(resources_per_rank, placement_strategy),
+                         name=name or "raydist-launch", paddle_logs=paddle_logs, actor_class=ScriptActor)  # fmt: skip
     started = init_ray(num_workers, resources_per_rank, use_gpu)
     logs = WorkerLogs(log_dir, num_workers) if log_dir else None
     shown = set(range(num_workers)) if ranks_filter is None else set(ranks_filter)

@@ -84,7 +84,7 @@ class RankGroup:
 
     def _start(self) -> None:
         cfg = self.config
-        port = cfg.master_port
+        port = cfg.placement.master_port
         for attempt in range(3):
             try:
                 self._place()
@@ -122,9 +122,9 @@ class RankGroup:
             missing = cfg.num_workers - len(self._spares)
             self._owns_pg, self._bundles = True, list(range(missing))
             if missing:
-                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement_strategy,
+                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement.placement_strategy,
                                            lifetime="detached" if cfg.detached else None)  # fmt: skip
-                wait_placed(self._pg, cfg.bundle(), missing, cfg.placement_timeout_s)
+                wait_placed(self._pg, cfg.bundle(), missing, cfg.placement.placement_timeout_s)
             return
         self._pg, self._owns_pg = current, False
         bundles = placement_group_table(current)["bundles"]
@@ -182,7 +182,7 @@ class RankGroup:
         self.envs = [paddle_env(r, self.places, endpoints, master, use_gpu=cfg.use_gpu, paddle_logs=cfg.paddle_logs)
                      for r in range(len(self))]  # fmt: skip
         if issubclass(cfg.actor_class, RankActor):
-            setups = [a.setup.remote(env, cfg.use_gpu, cfg.step_timeout_s, self.prefix)
+            setups = [a.setup.remote(env, cfg.use_gpu, cfg.dispatch.step_timeout_s, self.prefix)
                       for a, env in zip(self.actors, self.envs)]  # fmt: skip
             self.fixes = self.gather(setups, "setup")[0]
 
@@ -236,10 +236,10 @@ class RankGroup:
         without a client's: a rank that stops answering is found as in a step, whatever it was asked."""
         if not self._started:  # a rank that starts (its process, Paddle's import) answers no ping yet
             return None
-        if self._default_watch is None and self.config.step_timeout_s is not None:
+        if self._default_watch is None and self.config.dispatch.step_timeout_s is not None:
             from ..dispatch.hangs import Watch  # dispatch builds on the group: imported when first needed
 
-            self._default_watch = Watch(self, self.config.step_timeout_s)
+            self._default_watch = Watch(self, self.config.dispatch.step_timeout_s)
         return self._default_watch
 
     def _refusal(self, refs: Sequence) -> UsageError | None:

@@ -44,7 +44,6 @@ from ..cluster.state import ended_jobs, through_client
 if TYPE_CHECKING:
     from ..cluster.sizes import Sizes
     from ..model.inputs import InputSpecs
-    from .lifecycle import Dispatch
 
 log = logging.getLogger("raydist")
 
@@ -86,7 +85,6 @@ class Snapshot:
 
     config: GroupConfig
     sizes: Sizes
-    dispatch: Dispatch
     payload: bytes
     metrics: list
     specs: InputSpecs
