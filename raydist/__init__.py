@@ -10,12 +10,13 @@ switches modes, sends batches and gathers results::
 """
 
 from .data import Handle, ShardDataloader, shard_dataloader
-from .driver.lifecycle.detached import ModelHeldError
+from .driver.api.loss import Loss
 from .driver.api.model import DistModel, to_static
 from .driver.api.resume import CheckpointInfo, latest_checkpoint
 from .driver.api.status import ModelStatus, RankStatus, models, status
-from .driver.dispatch.window import Loss
+from .driver.lifecycle.detached import ModelHeldError
 from .errors import GroupShutdownError, RankError, ReplicaMismatchError, UsageError
+from .options import DispatchConfig, PlacementConfig, RecoveryConfig
 from .weights import Weights
 
 __version__ = "0.1.0"
@@ -39,13 +40,16 @@ def attach(name: str, loader: ShardDataloader | None = None, take_over: bool = F
 
 __all__ = [
     "CheckpointInfo",
+    "DispatchConfig",
     "DistModel",
     "GroupShutdownError",
     "Handle",
     "Loss",
     "ModelHeldError",
     "ModelStatus",
+    "PlacementConfig",
     "RankError",
+    "RecoveryConfig",
     "ReplicaMismatchError",
     "RankStatus",
     "ShardDataloader",

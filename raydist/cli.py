@@ -98,8 +98,8 @@ def status_command(opts: argparse.Namespace) -> int:
 
 
 def stop_command(opts: argparse.Namespace) -> int:
-    from .driver.lifecycle.detached import ModelHeldError, kill_named, stop
     from .driver.api.status import models
+    from .driver.lifecycle.detached import ModelHeldError, kill_named, stop
 
     if not _connect(opts.address, f"stop {opts.name!r} on"):
         return 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pickle
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class LoaderStep:
     nbytes = 0
 
 
-StepMessage = Union[ArraysStep, LoaderStep]
+StepMessage = ArraysStep | LoaderStep
 
 
 # Messages up to this size travel inside each call instead of through the
@@ -105,7 +105,7 @@ class StepResults:
     steps: int
 
     @classmethod
-    def of(cls, per_step: list[list]) -> "StepResults":
+    def of(cls, per_step: list[list]) -> StepResults:
         columns = []
         for j in range(len(per_step[0]) if per_step else 0):
             values = [step[j] for step in per_step]
@@ -142,12 +142,12 @@ class RankAnswers:
     steps: int
 
     @classmethod
-    def of(cls, rank: int, results: StepResults) -> "RankAnswers":
+    def of(cls, rank: int, results: StepResults) -> RankAnswers:
         columns = tuple(c[None] if isinstance(c, np.ndarray) else [c] for c in results.columns)
         return cls((rank,), columns, results.steps)
 
     @classmethod
-    def merge(cls, parts: list["RankAnswers"]) -> "RankAnswers":
+    def merge(cls, parts: list[RankAnswers]) -> RankAnswers:
         """One answer for the ranks of ``parts`` (answers to one message), in their order."""
         if len(parts) == 1:
             return parts[0]

@@ -22,9 +22,20 @@ import ray
 
 from .env import RankPlace
 from .errors import RankFailed, RankRefused, UsageError
-from .messages import (INLINE_BYTES, BuildReport, MirrorPlan, Parcel, Progress, RankAnswers, ReadOrder, Reattached,
-                       StepResults, pack, unpack)
 from .handover import describe, returns
+from .messages import (
+    INLINE_BYTES,
+    BuildReport,
+    MirrorPlan,
+    Parcel,
+    Progress,
+    RankAnswers,
+    ReadOrder,
+    Reattached,
+    StepResults,
+    pack,
+    unpack,
+)
 from .net import free_port
 from .topology import ModePlan
 
@@ -301,7 +312,8 @@ class RankActor(Member):
         if model.mirror is not None:
             model.mirror.close()
         model.mirror = Mirror(self.rank, plan, model.trained) if plan.every else None
-        model.hashes = ReplicaHashes(self.rank, plan.check_every, plan.base, model.trained) if plan.check_every else None
+        every = plan.check_every
+        model.hashes = ReplicaHashes(self.rank, every, plan.base, model.trained) if every else None
         if copy_now is not None and model.mirror is not None:
             model.mirror.copy(copy_now, model._state_copy)
 

@@ -28,7 +28,7 @@ class TensorSpec:
     def complete(self) -> bool:
         return None not in self.shape and self.layout is not None
 
-    def check(self, given: "TensorSpec", what: str) -> None:
+    def check(self, given: TensorSpec, what: str) -> None:
         """Raise a clear error unless what is ``given`` (an array's or a loader's spec) fits this spec."""
         if np.dtype(given.dtype) != np.dtype(self.dtype):
             raise TypeError(f"{what} {self.name!r} has dtype {given.dtype}, the model takes {self.dtype}")
@@ -43,7 +43,7 @@ class TensorSpec:
                 f"{self.layout}: give the loader the model's mesh and shard_dims"
             )
 
-    def resolved(self, given: "TensorSpec | None" = None, layout: Layout | None = None) -> "TensorSpec":
+    def resolved(self, given: TensorSpec | None = None, layout: Layout | None = None) -> TensorSpec:
         shape = self.shape if given is None else tuple(a if s is None else s for s, a in zip(self.shape, given.shape))
         return dataclasses.replace(self, shape=shape, layout=self.layout or layout)
 

@@ -19,12 +19,12 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
     from .driver.api.model import DistModel
-    from .driver.cluster.group import Group
+    from .driver.cluster.group import RankGroup
     from .driver.dispatch.window import Window
     from .driver.lifecycle.lifecycle import Lifecycle
 
 
-def group(dm: DistModel) -> Group:
+def group(dm: DistModel) -> RankGroup:
     """The model's live group: its actors, placement group, environments, adopted spares."""
     return dm._client.group
 

@@ -29,12 +29,12 @@ class Mesh:
             raise ValueError(f"mesh dim_names {self.dim_names} do not match shape {self.shape}")
 
     @classmethod
-    def of(cls, process_ids: Sequence | np.ndarray, dim_names: Sequence[str]) -> "Mesh":
+    def of(cls, process_ids: Sequence | np.ndarray, dim_names: Sequence[str]) -> Mesh:
         arr = np.asarray(process_ids)
         return cls(tuple(int(s) for s in arr.shape), tuple(int(p) for p in arr.ravel()), tuple(dim_names))
 
     @classmethod
-    def of_paddle(cls, process_mesh) -> "Mesh":
+    def of_paddle(cls, process_mesh) -> Mesh:
         """The mesh of a ``paddle.distributed.ProcessMesh``."""
         return cls(tuple(process_mesh.shape), tuple(process_mesh.process_ids), tuple(process_mesh.dim_names))
 

@@ -7,7 +7,8 @@ with an index (``model.safetensors.index.json``, ``model_state.pdparams.index.js
 and Hugging Face's names). In safetensors files the weights of ``paddle.nn.Linear`` layers are
 [out, in], Hugging Face's layout, which PaddleFormers' ``save_pretrained`` writes and its
 ``from_pretrained`` reads (Paddle holds them [in, out]); in ``paddle.save`` files, Paddle's own.
-Each file is written by one rank, from pieces the others hand it rank to rank (`raydist.handover`); the driver plans the files and writes the index, and holds no tensor.
+Each file is written by one rank, from pieces the others hand it rank to rank (`raydist.handover`);
+the driver plans the files and writes the index, and holds no tensor.
 
 Import (``to_static(..., weights=path)``) starts a model from such weights on any mesh: every rank
 reads the part of each tensor its shard covers (`Reader.read` of a box). safetensors files are
@@ -59,7 +60,8 @@ class Weights:
 
 Box = list[tuple[int, int]]  # [start, stop) per dim of a tensor
 
-_NAMES = {  # format -> (the one file's name, a shard's name, the index's name): PaddleFormers' (paddleformers.utils.env)
+# format -> (the one file's name, a shard's name, the index's name): PaddleFormers' (paddleformers.utils.env)
+_NAMES = {
     "safetensors": ("model.safetensors", "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json"),
     "paddle": ("model_state.pdparams", "model_state-{:05d}-of-{:05d}.pdparams", "model_state.pdparams.index.json"),
 }
@@ -280,7 +282,8 @@ class DistcpReader(Reader):
         for key, locals_ in metadata.state_dict_metadata.items():
             shape = locals_[0].global_shape
             if shape is None:
-                shape = [max(m.global_offset[d] + m.local_shape[d] for m in locals_) for d in range(len(locals_[0].local_shape))]
+                dims = range(len(locals_[0].local_shape))
+                shape = [max(m.global_offset[d] + m.local_shape[d] for m in locals_) for d in dims]
             self._meta[key] = (tuple(int(d) for d in shape), paddle_dtype(locals_[0].dtype))
         self._pieces: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str]]] = {}
         for index, file in metadata.storage_metadata.items():
@@ -291,7 +294,8 @@ class DistcpReader(Reader):
                                  "of Paddle's sharding v2), which raydist does not read; save it unflattened")
             offset = tuple(index.global_offset)
             shape = getattr(index, "local_shape", None) or next(
-                m.local_shape for m in metadata.state_dict_metadata[index.tensor_key] if tuple(m.global_offset) == offset)
+                m.local_shape for m in metadata.state_dict_metadata[index.tensor_key]
+                if tuple(m.global_offset) == offset)
             self._pieces.setdefault(index.tensor_key, []).append((offset, tuple(shape), file))
         self._loaded: dict[str, dict] = {}
 

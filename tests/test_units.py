@@ -424,7 +424,8 @@ def test_a_pipelines_micro_batch_size_holds_batches_to_it():
 
 def _loss(value: float):
     """A `Loss` whose step is done with ``value`` (no window, no ranks)."""
-    from raydist.driver.dispatch.window import Loss, Step
+    from raydist import Loss
+    from raydist.driver.dispatch.window import Step
 
     step = Step(7, None, lambda r: r, window=None)
     step._value, step.done = value, True
@@ -438,7 +439,7 @@ def test_a_loss_is_a_real_number_every_operation_of_numbers_real_acts_as_on_its_
     import numbers
     import operator
 
-    from raydist.driver.dispatch.window import Loss
+    from raydist import Loss
 
     loss = _loss(value)
     assert isinstance(loss, numbers.Real)

@@ -60,8 +60,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import paddle.distributed as dist
-from paddle.distributed.auto_parallel.static import engine as _engine
 from paddle.base.framework import _dygraph_guard
+from paddle.distributed.auto_parallel.static import engine as _engine
 from paddle.distributed.auto_parallel.static import helper as _helper
 
 from . import expect_source

@@ -66,7 +66,7 @@ class Handle:
     Pass handles to a `raydist.DistModel` call as you would tensors.
     """
 
-    loader: "ShardDataloader" = dataclasses.field(repr=False, compare=False)
+    loader: ShardDataloader = dataclasses.field(repr=False, compare=False)
     epoch: int
     step: int
     key: str | int
@@ -217,7 +217,7 @@ class ShardDataloader:
             out.append(TensorSpec(str(f.key), (self.batch_size, *f.shape), str(f.dtype), layout))
         return out
 
-    def bind(self, client: "RankClient", meshes: Sequence[Mesh] | None = None) -> None:
+    def bind(self, client: RankClient, meshes: Sequence[Mesh] | None = None) -> None:
         """Read with ``client``'s ranks from now on (a DistModel binds its loader).
 
         ``meshes``: the model's (inputs', labels') meshes. An elastic model running on

@@ -64,7 +64,7 @@ class RaySource:
     def rows_per_group(rows: int, dp: int) -> int:
         return rows // dp  # streaming_split(equal=True) drops the remainder
 
-    def splits(self, dp: int, epoch: int, shuffle: bool, seed: int | None) -> list["RaySplit"]:
+    def splits(self, dp: int, epoch: int, shuffle: bool, seed: int | None) -> list[RaySplit]:
         from ray.data import Dataset
 
         ds = self.dataset
@@ -118,7 +118,7 @@ class PaddleSource:
     def rows_per_group(rows: int, dp: int) -> int:
         return math.ceil(rows / dp)  # DistributedBatchSampler pads with repeated samples
 
-    def splits(self, dp: int, epoch: int, shuffle: bool, seed: int | None) -> list["PaddleSplit"]:
+    def splits(self, dp: int, epoch: int, shuffle: bool, seed: int | None) -> list[PaddleSplit]:
         if self.ref is None:
             import ray
 

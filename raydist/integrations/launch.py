@@ -39,12 +39,13 @@ import ray
 
 from ..driver.cluster.config import GroupConfig
 from ..driver.cluster.connect import init_ray
+from ..driver.cluster.group import RankGroup
 from ..driver.lifecycle.detached import Holder
 from ..driver.lifecycle.preemption import DrainWatch
-from ..driver.cluster.group import RankGroup
 from ..env import QUIET_GLOG_LEVEL, launching_env
-from .spmd import END_FD
+from ..options import PlacementConfig
 from ..protocol import Member
+from .spmd import END_FD
 
 log = logging.getLogger("raydist")
 
@@ -204,8 +205,8 @@ def launch(
     with open(script, encoding="utf-8") as f:
         source = f.read()
     given = {**(launching_env(os.environ) if pass_env else {}), **(env or {})}
-    config = GroupConfig(num_workers, use_gpu, resources_per_rank, placement_strategy, name=name or "raydist-launch",
-                         paddle_logs=paddle_logs, actor_class=ScriptActor)  # fmt: skip
+    config = GroupConfig(num_workers, use_gpu, PlacementConfig(resources_per_rank, placement_strategy),
+                         name=name or "raydist-launch", paddle_logs=paddle_logs, actor_class=ScriptActor)  # fmt: skip
     started = init_ray(num_workers, resources_per_rank, use_gpu)
     logs = WorkerLogs(log_dir, num_workers) if log_dir else None
     shown = set(range(num_workers)) if ranks_filter is None else set(ranks_filter)
@@ -235,7 +236,7 @@ def launch(
 
 
 def _run_once(config: GroupConfig, script: str, source: str, args: Sequence[str], given: dict[str, str],
-              restart: int, logs: "WorkerLogs | None", shown: set[int], stdout, stderr,
+              restart: int, logs: WorkerLogs | None, shown: set[int], stdout, stderr,
               drains: DrainWatch | None = None) -> list | None:  # fmt: skip
     """One run of the script on a group of its own: each rank's status (None: interrupted). ``drains``:
     a preemption notice for a node of the group ends the run at once, before the node goes, its ranks'
@@ -379,9 +380,10 @@ def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--paddle-logs", action="store_true", help="keep Paddle's INFO logs (glog) in the ranks")
     parser.add_argument("--name", help="prefix of the rank actors' names (default raydist-launch)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="after a rank fails, end every rank and start the script again on all of them, up to N "
-                             "times (default 0: for scripts that do not resume from their own checkpoints, a restart "
-                             "would only run them again from the start); the ranks see PADDLE_RESTART_COUNT")  # fmt: skip
+                        help="after a rank fails, end every rank and start the script again on all of them, up to "
+                             "N times (default 0: for scripts that do not resume from their own checkpoints, a "
+                             "restart would only run them again from the start); the ranks see "
+                             "PADDLE_RESTART_COUNT")  # fmt: skip
     parser.add_argument("--log-dir", metavar="D",
                         help="also write each rank's stdout and stderr to D/workerlog.N (appended across restarts)")
     parser.add_argument("--ranks-filter", metavar="R[,R...]",
@@ -389,7 +391,8 @@ def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resources-per-rank", metavar="JSON",
                         help='the Ray resources of each rank, e.g. \'{"CPU": 4, "rank_node": 1}\' '
                              '(default {"CPU": 1}, or {"CPU": 1, "GPU": 1} with --gpus)')  # fmt: skip
-    parser.add_argument("--placement-strategy", default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    parser.add_argument("--placement-strategy", default="PACK",
+                        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
                         help="how the ranks' placement group spreads them over nodes (default PACK)")
     parser.add_argument("script", help="the SPMD script, run as python script.py on every rank")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")

@@ -14,7 +14,8 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fun
 
 # A refused construct, by what Paddle's error says of it.
 _CONSTRUCTS = (
-    ("bool(Tensor) is not supported", "Python control flow on a tensor's value (`if`, `while`, `and`/`or` on a Tensor)"),
+    ("bool(Tensor) is not supported",
+     "Python control flow on a tensor's value (`if`, `while`, `and`/`or` on a Tensor)"),
     ("_is_initialized", "reading a tensor's value as a Python number (`.item()`)"),
     ("numpy()", "reading a tensor's value into NumPy (`.numpy()`)"),
     ("RecursionError", "a call that recurses once converted (a `super()` in an inherited method, say)"),

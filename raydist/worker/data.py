@@ -193,7 +193,7 @@ class _ReadThread(threading.Thread):
                 step += len(chunk)
             while step < order.steps:
                 with self._window:
-                    self._window.wait_for(lambda: self._stopped or step - self._taken < order.prefetch)
+                    self._window.wait_for(lambda step=step: self._stopped or step - self._taken < order.prefetch)
                     if self._stopped:
                         return
                 chunk = next(chunks, None)

@@ -19,13 +19,13 @@ from ..messages import ArraysStep, BuildReport, LoaderStep, Parcel, Progress, Re
 from ..specs import TensorSpec
 from ..strategy import pipeline_stages
 from ..topology import Mesh, ModePlan, widest
+from . import weights as rank_weights
 from .conversion import explain
 from .eager import EagerRunner, replicate_dense
-from .runner import StaticRunner
-from .schedule import RankSchedule
-from . import weights as rank_weights
 from .mirror import Mirror
 from .replicas import ReplicaHashes
+from .runner import StaticRunner
+from .schedule import RankSchedule
 from .steplog import StepLog
 
 

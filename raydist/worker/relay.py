@@ -70,7 +70,7 @@ class Relay:
             below.insert(0, RankAnswers.of(self.rank, relayed.results))
         return RankAnswers.merge(below) if below else None
 
-    def _record(self, first: int) -> "_Relayed":
+    def _record(self, first: int) -> _Relayed:
         """The record of a relayed message, made by `relay` or `collect`, whichever comes first."""
         with self._lock:
             return self._relayed.setdefault(first, _Relayed())

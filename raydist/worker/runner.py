@@ -231,7 +231,8 @@ class StaticRunner(Runner):
 
     def state_meta(self, mode: str = "all") -> dict[str, tuple[tuple[int, ...], str, Layout | None]]:
         """{structured name: (global shape, dtype, layout)} of the state (``mode`` as `state_dict`)."""
-        return {name: (shape, str(array.dtype), layout) for name, (_, array, layout, shape) in self._state(mode).items()}
+        state = self._state(mode)
+        return {name: (shape, str(array.dtype), layout) for name, (_, array, layout, shape) in state.items()}
 
     def set_pieces(self, pieces: Callable[[dict[str, Layout | None]], Iterable[tuple[str, np.ndarray]]]) -> None:
         if not self._plans:  # the layer's dygraph parameters, before the first build

@@ -31,8 +31,7 @@ import dataclasses
 import logging
 import posixpath
 import time
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm.auto import tqdm
@@ -56,13 +55,13 @@ log = logging.getLogger("raydist")
 class Training(Protocol):
     """What `fit` uses of a model beyond `DistModel`'s public methods (its `Lifecycle` is one)."""
 
-    events: "Events"  # the run's events (fit adds its checkpoint directory's events.jsonl as a sink)
-    metrics: "RunMetrics"  # the run's Ray metrics (fit tells it the batch size and each step's loss)
-    rates: "LearningRate"  # the ranks' learning rate (its value, for callbacks that read or set it)
+    events: Events  # the run's events (fit adds its checkpoint directory's events.jsonl as a sink)
+    metrics: RunMetrics  # the run's Ray metrics (fit tells it the batch size and each step's loss)
+    rates: LearningRate  # the ranks' learning rate (its value, for callbacks that read or set it)
 
     peer_memory: int | None  # train steps between copies of the ranks' state in peer memory (None: off)
 
-    def restart(self) -> "Restored":
+    def restart(self) -> Restored:
         """A fresh group of ranks after a failure, with the newest state: how many completed train
         steps it stands behind the last completed one (``behind``; 0: the survivors' state, or peer
         memory's with the steps since replayed; the loop feeds that many again), or None (the state
@@ -87,9 +86,9 @@ class Training(Protocol):
 
 
 def fit(
-    dm: "DistModel",
+    dm: DistModel,
     training: Training,
-    loader: "ShardDataloader | Any",
+    loader: ShardDataloader | Any,
     epochs: int = 1,
     steps: int | None = None,
     checkpoint_every: int | None = None,
@@ -151,7 +150,7 @@ def fit(
             training.events.remove_sink(sink)
 
 
-def _fit(run: "_Run", training: Training, found, total: int, progress: bool, max_failures: int,
+def _fit(run: _Run, training: Training, found, total: int, progress: bool, max_failures: int,
          checkpoint_dir: str | None) -> list[float]:  # fmt: skip
     failures = 0
     with tqdm(total=total, unit="step", disable=not progress, desc="fit") as bar:
@@ -222,7 +221,7 @@ def _epochs(loader: Any, max_failures: int, resume: bool) -> Any:
     return epochs
 
 
-def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":
+def _found(directory: str | None, resume: bool) -> runs.CheckpointInfo | None:
     """With ``resume``: the run in ``directory`` to go on with (None: start one); without it, an empty directory."""
     names = checkpoint.listing(directory) if directory and checkpoint.exists(directory) else []
     if not names:
@@ -232,7 +231,8 @@ def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":
                          "or pass resume=True to go on with the run in it")  # fmt: skip
     found = runs.latest_checkpoint(directory)
     leftovers = checkpoint.staged(directory)
-    others = [n for n in names if n != EVENTS_FILE and checkpoint.ABANDONED not in n]  # a run that died before its first checkpoint left its events
+    # a run that died before its first checkpoint left its events
+    others = [n for n in names if n != EVENTS_FILE and checkpoint.ABANDONED not in n]
     if found is None and len(leftovers) < len(others):
         raise ValueError(f"checkpoint_dir {directory} holds no complete raydist checkpoint, but other files: "
                          f"{sorted(names)[:5]}")  # fmt: skip
@@ -243,7 +243,7 @@ def _found(directory: str | None, resume: bool) -> "runs.CheckpointInfo | None":
     return found
 
 
-def _check_same_run(found: "runs.CheckpointInfo", identity: dict, directory: str) -> None:
+def _check_same_run(found: runs.CheckpointInfo, identity: dict, directory: str) -> None:
     differ = runs.differences(found.record["fit"]["identity"], identity)
     if differ:
         raise ValueError(f"checkpoint_dir {directory} holds a run of another model or loader ({found.path}); "
@@ -287,7 +287,7 @@ class _Run:
         self.saving: str | None = None  # the last checkpoint this run began to save
         self.base = 0  # the model's train steps before this run's first (its history counts from there)
 
-    def go_on_from(self, found: "runs.CheckpointInfo") -> None:
+    def go_on_from(self, found: runs.CheckpointInfo) -> None:
         """Where a checkpoint of this run left it (the model was loaded from it)."""
         record = found.record["fit"]
         self.history = list(record["history"])
@@ -522,7 +522,7 @@ class _CallbackModel:
 class _OptimizerView:
     """``model._optimizer`` for callbacks: its learning rate is the ranks'."""
 
-    def __init__(self, dm: "DistModel", rates: "LearningRate"):
+    def __init__(self, dm: DistModel, rates: LearningRate):
         self._dm, self._rates = dm, rates
 
     @property

@@ -14,30 +14,31 @@ What users hold. It reads like Paddle's class and delegates each job to one part
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ... import pickling
 from ...data.loader import ShardDataloader
+from ...options import DispatchConfig, PlacementConfig, RecoveryConfig, merged
 from ...strategy import micro_batch_size, micro_batches
 from ...weights import Weights
-from ..dispatch.client import RankClient
-from ..cluster.connect import init_ray, ray_started_here
 from ..cluster.config import GroupConfig
+from ..cluster.connect import init_ray, ray_started_here
+from ..dispatch.client import RankClient
+from ..lifecycle.lifecycle import Lifecycle
 from ..model.inputs import InputSpecs, leaves
-from ..lifecycle.lifecycle import Dispatch, Lifecycle
 from ..model.modes import MODES, Modes
 from ..model.rates import LearningRate
 from ..model.results import combine
 from ..model.state import ModelState
-from .status import RankStatus, rank_status
-from ..dispatch.window import Loss
 from ..model.validation import check_arguments, group_sizes, input_specs
+from .loss import Loss
+from .status import RankStatus, rank_status
 
 if TYPE_CHECKING:
     from ..model.schedule import RankScheduler
@@ -81,59 +82,29 @@ class DistModel:
         shard_dims: the mesh dim along which batches are split across ranks
             (data parallel). The default "dp" splits along the mesh dim named
             "dp" if the model's mesh has one, else every rank gets the whole batch.
-        resources_per_rank, placement_strategy, master_port, placement_timeout_s,
-        name, paddle_logs, runtime_env: see `raydist.driver.cluster.group.GroupConfig`.
-        max_in_flight: how many messages of steps may be outstanding before the
-            driver waits for the oldest (see `raydist.driver.dispatch.window`); 1 with
-            ``steps_per_message=1`` makes every call wait for its step.
-        steps_per_message: calls made while a message is outstanding are held
-            and sent together, up to this many steps in one message (the ranks
-            run them back to back, the same numbers as one at a time); reading a
-            loss sends what is held. "auto": as many as make about 0.5 s of
-            steps, up to 64, from the steps' measured pace; 1: a message per call.
-        dispatch: how steps reach the ranks: "compiled" (a Ray Compiled
-            Graph: the least driver work per step, but its channels busy-wait,
-            a core per waiting process), "calls" (one actor call per rank),
-            "tree" (the driver sends each message to rank 0, the ranks pass it
-            on from node to node and within nodes, and the results come back
-            the same way: the driver's cost does not grow with the ranks), or
-            "auto": compiled with GPUs; on CPUs, where ranks need every core,
-            calls below 8 ranks and tree from 8 (see `raydist.driver.dispatch.transport`
-            and BENCHMARKS.md).
-        step_timeout_s: how long a step may take (and a rank may wait for its
-            loader batch) before its ranks count as hung: a rank in one step, or
-            not answering, for this long plus 5 s is a `RankError` naming it,
-            however many steps its message holds (`raydist.driver.dispatch.hangs`), and
-            the ranks are torn down. None: no limit. A dead rank is reported at
-            once, whatever this is.
-        spare_ranks: rank actors kept started (process up, Paddle imported on
-            CPUs) and joined to nothing, each holding one rank's resources, for
-            the next `restart` (a failure, in `fit` too) or resize to use instead
-            of starting processes (`python -m bench restart`). 0: none.
+        placement_config: where the ranks run, a `raydist.PlacementConfig`:
+            ``resources_per_rank``, ``placement_strategy``, ``placement_timeout_s``,
+            ``master_port``, ``spare_ranks`` and ``runtime_env``, each also a keyword
+            of its own (shorthand for the field; a keyword and the config that set
+            one field differently are refused).
+        dispatch_config: how steps reach the ranks, a `raydist.DispatchConfig`:
+            ``dispatch`` ("auto", "calls", "tree", "compiled"), ``max_in_flight``,
+            ``steps_per_message`` and ``step_timeout_s`` (a rank in one step for
+            this long plus 5 s is a `RankError` naming it), keywords too.
+        recovery_config: what the model keeps to come back from failures, a
+            `raydist.RecoveryConfig`: ``peer_memory`` (copies of every rank's
+            shards in host memory on another node, every this many train steps),
+            ``check_replicas`` (the data-parallel replicas compared every this
+            many train steps) and ``replica_mismatch``, keywords too.
+        name: prefix of the ranks' actor names (and the model's name in events,
+            metrics and ``raydist status``); default a random one.
+        paddle_logs: show Paddle's INFO logs from the ranks (quiet by default).
         detached: the ranks and their placement group outlive this driver (a
             killed script, a notebook's kernel restart): `raydist.attach(name)` in
             a later driver returns this model, in its mode, at its step; only
             `shutdown` ends it. Needs a ``name`` and a Ray cluster (``ray start
             --head``, or ``RAY_ADDRESS``): a local Ray this process starts ends
             with it. See `raydist.driver.lifecycle.detached`.
-        peer_memory: every this many train steps, each rank hands a copy of its
-            shards (parameters, optimizer state) to host memory on another node,
-            off the step's path. After a rank or a node dies where no data-parallel
-            replica holds its shards (tensor, pipeline parallel), a restart (in
-            ``fit`` too, which then needs no ``checkpoint_dir``) builds the state
-            from the newest complete copy and replays the train steps since from
-            the same batches: no disk is read, and the run equals one that never
-            failed. Only a rank and its copy's node both lost fall back to the
-            last checkpoint. None: off. See `raydist.driver.lifecycle.peers`.
-        check_replicas: every this many train steps, the data-parallel replicas
-            of each shard (parameters, optimizer state) are compared by a CRC-32
-            of their bits, beside the steps. Replicas that disagree are a
-            `raydist.ReplicaMismatchError` at the next train call (the ranks,
-            the tensors, the step), and the ranks are torn down: ``restart()``
-            (``fit`` with ``max_failures``) goes back to the newest copy no later
-            than the last check that passed and replays the steps since. None: off.
-        replica_mismatch: "raise" (the error above) or "warn" (logged, and the
-            run goes on).
         dynamic: the ranks run the layer eagerly, in Paddle's dynamic auto-parallel
             (dist tensors, ``loss.backward()``, ``optimizer.step()``), instead of a
             program dy2static converts: for layers it cannot convert (Python on a
@@ -170,13 +141,13 @@ class DistModel:
         num_workers: int | tuple[int, int] | None = None,
         use_gpu: bool = False,
         shard_dims: str | None = "dp",
-        resources_per_rank: dict[str, float] | None = None,
+        resources_per_rank: Mapping[str, float] | None = None,
         placement_strategy: str = "PACK",
         master_port: int | None = None,
         placement_timeout_s: float | None = 300.0,
         name: str | None = None,
         paddle_logs: bool = False,
-        runtime_env: dict | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
         max_in_flight: int = 2,
         steps_per_message: int | str = "auto",
         dispatch: str = "auto",
@@ -187,15 +158,24 @@ class DistModel:
         check_replicas: int | None = None,
         replica_mismatch: str = "raise",
         dynamic: bool = False,
-        weights: "str | Weights | None" = None,
+        weights: str | Weights | None = None,
+        placement_config: PlacementConfig | None = None,
+        dispatch_config: DispatchConfig | None = None,
+        recovery_config: RecoveryConfig | None = None,
     ) -> None:
-        check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, max_in_flight=max_in_flight,
-                        steps_per_message=steps_per_message, dispatch=dispatch, spare_ranks=spare_ranks, name=name,
-                        detached=detached, peer_memory=peer_memory,
-                        check_replicas=check_replicas, replica_mismatch=replica_mismatch, dynamic=dynamic,
-                        weights=weights)  # fmt: skip
+        placement = merged(PlacementConfig, placement_config, "placement_config",
+                           resources_per_rank=resources_per_rank, placement_strategy=placement_strategy,
+                           master_port=master_port, placement_timeout_s=placement_timeout_s,
+                           spare_ranks=spare_ranks, runtime_env=runtime_env)  # fmt: skip
+        sending = merged(DispatchConfig, dispatch_config, "dispatch_config", dispatch=dispatch,
+                         max_in_flight=max_in_flight, steps_per_message=steps_per_message,
+                         step_timeout_s=step_timeout_s)  # fmt: skip
+        recovery = merged(RecoveryConfig, recovery_config, "recovery_config", peer_memory=peer_memory,
+                          check_replicas=check_replicas, replica_mismatch=replica_mismatch)  # fmt: skip
+        check_arguments(layer, loader, loss, optimizer, strategy, metrics, use_gpu=use_gpu, placement=placement,
+                        dispatch=sending, name=name, detached=detached, dynamic=dynamic, weights=weights)  # fmt: skip
         inputs, labels = input_specs(input_spec, loader)
-        sizes = group_sizes(num_workers, (inputs or []) + (labels or []), loader, spare_ranks)
+        sizes = group_sizes(num_workers, (inputs or []) + (labels or []), loader, placement.spare_ranks)
         if weights is not None and not isinstance(weights, Weights):
             weights = Weights(weights)
         payload = pickling.dumps((layer, loss, optimizer, strategy, list(metrics or []), dynamic, weights),
@@ -203,15 +183,11 @@ class DistModel:
         specs = InputSpecs(inputs, labels, shard_dims, {m: micro_batches(strategy, m) for m in MODES},
                            micro_batch_size(strategy))  # fmt: skip
         shard_loader = loader if isinstance(loader, ShardDataloader) else None  # read by the ranks
-        config = GroupConfig(sizes.max, use_gpu, resources_per_rank, placement_strategy, master_port,
-                             placement_timeout_s, name, paddle_logs, runtime_env, step_timeout_s,
-                             preload=("ray.data",) if shard_loader is not None else (), detached=detached,
-                             peer_memory=peer_memory, check_replicas=check_replicas,
-                             replica_mismatch=replica_mismatch)  # fmt: skip
-        init_ray(sizes.max, resources_per_rank, use_gpu)
-        auto = "compiled" if dispatch == "auto" and use_gpu and not detached else dispatch
-        self._wire(config, sizes, Dispatch(max_in_flight, steps_per_message, auto), payload, metrics or [], specs,
-                   loss is not None, optimizer is not None, spare_ranks)  # fmt: skip
+        config = GroupConfig(sizes.max, use_gpu, placement, sending.resolved(use_gpu, detached), recovery, name,
+                             paddle_logs, preload=("ray.data",) if shard_loader is not None else (),
+                             detached=detached)  # fmt: skip
+        init_ray(sizes.max, placement.resources_per_rank, use_gpu)
+        self._wire(config, sizes, payload, metrics or [], specs, loss is not None, optimizer is not None)
         if detached:
             from ..lifecycle.detached import Hold
 
@@ -231,16 +207,15 @@ class DistModel:
         if shard_loader is not None:
             shard_loader.bind(self._client, self._modes.data_meshes)
 
-    def _wire(self, config: GroupConfig, sizes: Any, dispatch: Dispatch, payload: bytes, metrics: Sequence[Any],
-              specs: InputSpecs, has_loss: bool, has_optimizer: bool, spare_ranks: int) -> None:  # fmt: skip
+    def _wire(self, config: GroupConfig, sizes: Any, payload: bytes, metrics: Sequence[Any], specs: InputSpecs,
+              has_loss: bool, has_optimizer: bool) -> None:  # fmt: skip
         """The model's parts, wired one way whether it is new (``__init__``) or a detached model's
         ranks a new driver attaches to (`_attached`, from the record's `Snapshot`)."""
         self._metrics = list(metrics)
         self._rates = LearningRate()
         self._state = ModelState(has_optimizer, self._rates)
         self._modes = Modes(specs, has_loss, has_optimizer, self._state.built)
-        self._life = Lifecycle(config, sizes, payload, dispatch, spare_ranks, self._modes, self._rates,
-                               self._state)  # fmt: skip
+        self._life = Lifecycle(config, sizes, payload, self._modes, self._rates, self._state)
 
     def _hold_on(self, hold: Any) -> None:
         """This driver holds the detached model: its record learns of every change a later driver needs."""
@@ -255,16 +230,16 @@ class DistModel:
         from ..lifecycle.detached import Snapshot
 
         life, modes = self._life, self._modes
-        return Snapshot(life.config, life.sizes, life.dispatch, life.payload, self._metrics, modes.specs,
+        return Snapshot(life.config, life.sizes, life.payload, self._metrics, modes.specs,
                         modes.has_loss, modes.has_optimizer, modes.mode, self._state.last_checkpoint,
                         life.meshes)  # fmt: skip
 
     @classmethod
-    def _attached(cls, hold: Any, snapshot: Any, actors: list, pg: Any, rate: Any, loader: Any) -> "DistModel":
+    def _attached(cls, hold: Any, snapshot: Any, actors: list, pg: Any, rate: Any, loader: Any) -> DistModel:
         """The model of a detached group of ranks that runs already (see `raydist.attach`)."""
         self = cls.__new__(cls)
-        self._wire(snapshot.config, snapshot.sizes, snapshot.dispatch, snapshot.payload, snapshot.metrics,
-                   snapshot.specs, snapshot.has_loss, snapshot.has_optimizer, 0)  # fmt: skip
+        self._wire(snapshot.config, snapshot.sizes, snapshot.payload, snapshot.metrics, snapshot.specs,
+                   snapshot.has_loss, snapshot.has_optimizer)  # fmt: skip
         self._state.adopt_checkpoint(snapshot.last_checkpoint)
         self._hold_on(hold)
         if isinstance(loader, ShardDataloader):
@@ -597,7 +572,7 @@ class DistModel:
         """Stop the ranks now, without completing the steps in flight."""
         self._life.close()
 
-    def __enter__(self) -> "DistModel":
+    def __enter__(self) -> DistModel:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -612,15 +587,45 @@ def to_static(
     optimizer: Callable[[Sequence[Any]], Any] | None = None,
     strategy: Any = None,
     input_spec: Sequence[Sequence[Any]] | None = None,
-    **kwargs: Any,
+    *,
+    metrics: Sequence[Any] | None = None,
+    num_workers: int | tuple[int, int] | None = None,
+    use_gpu: bool = False,
+    shard_dims: str | None = "dp",
+    resources_per_rank: Mapping[str, float] | None = None,
+    placement_strategy: str = "PACK",
+    master_port: int | None = None,
+    placement_timeout_s: float | None = 300.0,
+    name: str | None = None,
+    paddle_logs: bool = False,
+    runtime_env: Mapping[str, Any] | None = None,
+    max_in_flight: int = 2,
+    steps_per_message: int | str = "auto",
+    dispatch: str = "auto",
+    step_timeout_s: float | None = 900.0,
+    spare_ranks: int = 0,
+    detached: bool = False,
+    peer_memory: int | None = None,
+    check_replicas: int | None = None,
+    replica_mismatch: str = "raise",
+    dynamic: bool = False,
+    weights: str | Weights | None = None,
+    placement_config: PlacementConfig | None = None,
+    dispatch_config: DispatchConfig | None = None,
+    recovery_config: RecoveryConfig | None = None,
 ) -> DistModel:
-    """Build a `DistModel` on a group of Ray ranks, as ``paddle.distributed.to_static`` would.
-
-    See `DistModel` for the arguments; keyword arguments (``metrics``,
-    ``num_workers``, ``use_gpu``, ...) go to it.
-    """
-    metrics = kwargs.pop("metrics", None)
-    return DistModel(layer, loader, loss, optimizer, strategy, metrics, input_spec, **kwargs)
+    """Build a `DistModel` on a group of Ray ranks, as ``paddle.distributed.to_static`` would
+    (Paddle's arguments in Paddle's order; ``metrics`` is a keyword here). See `DistModel` for
+    every argument."""
+    return DistModel(layer, loader, loss, optimizer, strategy, metrics, input_spec, num_workers=num_workers,
+                     use_gpu=use_gpu, shard_dims=shard_dims, resources_per_rank=resources_per_rank,
+                     placement_strategy=placement_strategy, master_port=master_port,
+                     placement_timeout_s=placement_timeout_s, name=name, paddle_logs=paddle_logs,
+                     runtime_env=runtime_env, max_in_flight=max_in_flight, steps_per_message=steps_per_message,
+                     dispatch=dispatch, step_timeout_s=step_timeout_s, spare_ranks=spare_ranks, detached=detached,
+                     peer_memory=peer_memory, check_replicas=check_replicas, replica_mismatch=replica_mismatch,
+                     dynamic=dynamic, weights=weights, placement_config=placement_config,
+                     dispatch_config=dispatch_config, recovery_config=recovery_config)  # fmt: skip
 
 
 def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:

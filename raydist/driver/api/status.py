@@ -23,6 +23,7 @@ import ray
 
 from ..cluster.config import DETACHED_NAMESPACE, RANK_NAME
 
+
 @dataclasses.dataclass(frozen=True)
 class RankStatus:
     """One live rank, as it reports itself."""

@@ -15,28 +15,21 @@ from typing import Any
 
 import ray
 
+from ...options import DispatchConfig, PlacementConfig, RecoveryConfig
 from ...protocol import Member, RankActor
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GroupConfig:
-    """How to start the ranks.
+    """How to start the ranks: the model's options (`raydist.options`) and what the driver adds.
 
     Attributes:
         num_workers: number of ranks, one Ray actor each.
         use_gpu: one GPU per rank and NCCL; otherwise CPU and gloo.
-        resources_per_rank: Ray resources of one rank's bundle; default
-            ``{"CPU": 1}``, plus ``{"GPU": 1}`` with ``use_gpu``.
-        placement_strategy: of the placement group (PACK, SPREAD, STRICT_PACK...).
-        master_port: port of Paddle's TCP store on rank 0's node; a free one
-            if None, and another free one if this one is taken.
-        placement_timeout_s: how long to wait for the cluster to place the
-            ranks (autoscaling clusters grow meanwhile); None waits forever.
+        placement, dispatch, recovery: the model's `PlacementConfig`, `DispatchConfig` (its
+            ``step_timeout_s`` also bounds a rank's wait for its loader batch) and `RecoveryConfig`.
         name: prefix of the actor names (``<name>-rank-<i>``).
         paddle_logs: show Paddle's INFO logs from the ranks (quiet by default).
-        runtime_env: Ray runtime environment of the rank actors (env_vars,
-            pip, working_dir...).
-        step_timeout_s: how long a rank waits for its loader batch (None: no limit).
         actor_class: the actors: `RankActor` (they join Paddle's process group),
             or another `raydist.protocol.Member` that starts its own processes
             from `RankGroup.envs` (`raydist launch`).
@@ -45,34 +38,22 @@ class GroupConfig:
         detached: the actors and their placement group outlive the driver (Ray's
             ``lifetime="detached"``, in the namespace `DETACHED_NAMESPACE`, where
             any later driver finds them by name); see `raydist.driver.lifecycle.detached`.
-        peer_memory: every this many train steps, each rank's state is copied to host
-            memory on another node (`raydist.driver.lifecycle.peers`); None: never.
-        check_replicas: every this many train steps, the data-parallel replicas of each
-            shard are compared (`raydist.driver.lifecycle.replicas`); None: never.
-        replica_mismatch: "raise" (a `ReplicaMismatchError`) or "warn" (logged only).
     """
 
     num_workers: int
     use_gpu: bool = False
-    resources_per_rank: dict[str, float] | None = None
-    placement_strategy: str = "PACK"
-    master_port: int | None = None
-    placement_timeout_s: float | None = 300.0
+    placement: PlacementConfig = PlacementConfig()
+    dispatch: DispatchConfig = DispatchConfig(step_timeout_s=None)
+    recovery: RecoveryConfig = RecoveryConfig()
     name: str | None = None
     paddle_logs: bool = False
-    runtime_env: dict | None = None
-    step_timeout_s: float | None = None
     actor_class: type[Member] = RankActor
     preload: tuple[str, ...] = ()
     detached: bool = False
-    peer_memory: int | None = None
-    check_replicas: int | None = None
-    replica_mismatch: str = "raise"
 
     def bundle(self) -> dict[str, float]:
-        if self.resources_per_rank is not None:
-            return dict(self.resources_per_rank)
-        return {"CPU": 1.0, "GPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+        """One rank's placement bundle."""
+        return self.placement.bundle(self.use_gpu)
 
 
 # Where the actors of detached models live: a driver's own namespace is anonymous (a new one per
@@ -112,7 +93,7 @@ def start_actor(cfg: GroupConfig, name: str, rank: int, world_size: int, schedul
         num_gpus=res.get("GPU", 0),
         resources={k: v for k, v in res.items() if k not in ("CPU", "GPU")},
         scheduling_strategy=scheduling_strategy,
-        runtime_env=cfg.runtime_env,
+        runtime_env=None if cfg.placement.runtime_env is None else dict(cfg.placement.runtime_env),
     ).remote(rank, world_size)
     if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:
         actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)

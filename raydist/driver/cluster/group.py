@@ -25,13 +25,13 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ...env import RankPlace, paddle_env
-from ...messages import Progress
 from ...errors import GroupShutdownError, RankError, RankFailed, UsageError
+from ...messages import Progress
 from ...protocol import RankActor
 from .config import GroupConfig, ping_all, start_actor
 from .failures import rank_error, refused, steps_failed
-from .state import draining_nodes
 from .placement import alive_nodes, wait_placed
+from .state import draining_nodes
 
 if TYPE_CHECKING:
     from ..dispatch.hangs import Watch
@@ -73,7 +73,7 @@ class RankGroup:
         self._on_shutdown: list = []
         self._on_death: list = []
         self._on_failure: list = []
-        self._default_watch: "Watch | None" = None
+        self._default_watch: Watch | None = None
         self._started = False  # placed, joined and set up
         if adopt is None:
             self._start()
@@ -84,7 +84,7 @@ class RankGroup:
 
     def _start(self) -> None:
         cfg = self.config
-        port = cfg.master_port
+        port = cfg.placement.master_port
         for attempt in range(3):
             try:
                 self._place()
@@ -122,9 +122,9 @@ class RankGroup:
             missing = cfg.num_workers - len(self._spares)
             self._owns_pg, self._bundles = True, list(range(missing))
             if missing:
-                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement_strategy,
+                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement.placement_strategy,
                                            lifetime="detached" if cfg.detached else None)  # fmt: skip
-                wait_placed(self._pg, cfg.bundle(), missing, cfg.placement_timeout_s)
+                wait_placed(self._pg, cfg.bundle(), missing, cfg.placement.placement_timeout_s)
             return
         self._pg, self._owns_pg = current, False
         bundles = placement_group_table(current)["bundles"]
@@ -182,7 +182,7 @@ class RankGroup:
         self.envs = [paddle_env(r, self.places, endpoints, master, use_gpu=cfg.use_gpu, paddle_logs=cfg.paddle_logs)
                      for r in range(len(self))]  # fmt: skip
         if issubclass(cfg.actor_class, RankActor):
-            setups = [a.setup.remote(env, cfg.use_gpu, cfg.step_timeout_s, self.prefix)
+            setups = [a.setup.remote(env, cfg.use_gpu, cfg.dispatch.step_timeout_s, self.prefix)
                       for a, env in zip(self.actors, self.envs)]  # fmt: skip
             self.fixes = self.gather(setups, "setup")[0]
 
@@ -200,7 +200,7 @@ class RankGroup:
             raise GroupShutdownError(self._why)
 
     def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
-               watch: "Watch | None" = None, steps: range | None = None, later: Sequence[Sequence] = ()) -> list:
+               watch: Watch | None = None, steps: range | None = None, later: Sequence[Sequence] = ()) -> list:
         """Results of ``refs`` (one per rank in ``ranks``, default all, in order; ``steps``:
         the steps they run, if they are a message's; ``later``: the refs of the messages sent
         after it, whose failed steps also say where a rank died).
@@ -231,15 +231,15 @@ class RankGroup:
             sent = [*refs, *(r for out in later for r in out)] if steps is not None else []
             raise self.fail(e, during, ranks[0] if len(ranks) == 1 else -1, steps, sent) from e
 
-    def _watch(self) -> "Watch | None":
+    def _watch(self) -> Watch | None:
         """The limit on any call to the ranks (``step_timeout_s``; None: none), for the calls made
         without a client's: a rank that stops answering is found as in a step, whatever it was asked."""
         if not self._started:  # a rank that starts (its process, Paddle's import) answers no ping yet
             return None
-        if self._default_watch is None and self.config.step_timeout_s is not None:
+        if self._default_watch is None and self.config.dispatch.step_timeout_s is not None:
             from ..dispatch.hangs import Watch  # dispatch builds on the group: imported when first needed
 
-            self._default_watch = Watch(self, self.config.step_timeout_s)
+            self._default_watch = Watch(self, self.config.dispatch.step_timeout_s)
         return self._default_watch
 
     def _refusal(self, refs: Sequence) -> UsageError | None:

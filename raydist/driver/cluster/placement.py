@@ -8,7 +8,7 @@ import time
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from .state import available_per_node, autoscaler_node_types, draining_nodes, max_resources_from_cluster_config
+from .state import autoscaler_node_types, available_per_node, draining_nodes, max_resources_from_cluster_config
 
 log = logging.getLogger("raydist")
 

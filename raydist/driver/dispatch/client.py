@@ -26,9 +26,9 @@ from ...messages import Parcel, StepMessage
 from ...topology import REDUCTIONS
 from ..cluster.config import call_on
 from ..cluster.group import RankGroup
-from .window import Step, Window
-from .transport import TREE_FROM, open_transport
 from .hangs import Watch
+from .transport import TREE_FROM, open_transport
+from .window import Step, Window
 
 log = logging.getLogger("raydist")
 
@@ -114,7 +114,7 @@ class RankClient:
         transport = self._open()
         return transport, transport.send(Parcel(first, tuple(messages)))
 
-    def _receive(self, ticket: tuple, steps: range) -> list["StepAnswers"]:
+    def _receive(self, ticket: tuple, steps: range) -> list[StepAnswers]:
         """Each step's results from the ranks (a rank whose results are not read answers None)."""
         transport, sent = ticket
         answers = MessageAnswers(transport.receive(sent, steps))

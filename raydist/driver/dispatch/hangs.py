@@ -40,7 +40,7 @@ class Watch:
     """The limit on a step of ``group``'s ranks (``step_timeout`` + `REPORT_GRACE_S`; None: none), and
     on a rank's silence (``step_timeout``). ``clock``: seconds, monotonic (tests give a fake one)."""
 
-    def __init__(self, group: "RankGroup", step_timeout: float | None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, group: RankGroup, step_timeout: float | None, clock: Callable[[], float] = time.monotonic):
         self.group = group
         self._clock = clock
         self.limit = None if step_timeout is None else step_timeout + REPORT_GRACE_S

@@ -58,7 +58,7 @@ class CallTransport:
 
     name = "calls"
 
-    def __init__(self, group: "RankGroup", watch: Watch):
+    def __init__(self, group: RankGroup, watch: Watch):
         self.group = group
         self.watch = watch
         self._out: list[list[ray.ObjectRef]] = []  # the messages sent and not yet received, oldest first
@@ -92,7 +92,7 @@ class CompiledTransport:
 
     name = "compiled"
 
-    def __init__(self, group: "RankGroup", max_in_flight: int, watch: Watch):
+    def __init__(self, group: RankGroup, max_in_flight: int, watch: Watch):
         from ray.dag import InputNode, MultiOutputNode
 
         self.group = group
@@ -168,7 +168,7 @@ class TreeTransport:
 
     name = "tree"
 
-    def __init__(self, group: "RankGroup", watch: Watch, fanout: int = FANOUT):
+    def __init__(self, group: RankGroup, watch: Watch, fanout: int = FANOUT):
         self.group = group
         self.watch = watch
         self.tree = tree = relay_tree(group.nodes, fanout)
@@ -220,7 +220,7 @@ def during(steps: range) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
-def open_transport(group: "RankGroup", max_in_flight: int, dispatch: str, watch: Watch):
+def open_transport(group: RankGroup, max_in_flight: int, dispatch: str, watch: Watch):
     """The step transport for ``group``: ``dispatch`` "tree", "calls", or "compiled" if it can
     be compiled (else calls). ``watch``: how long a step may take before its ranks count as hung.
     """

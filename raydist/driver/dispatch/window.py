@@ -32,15 +32,15 @@ from __future__ import annotations
 import _signal  # signal.getsignal without its enum conversion: 5 µs a call, several calls a step
 import collections
 import contextlib
-import math
-import numbers
-import operator
 import signal
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from ...options import check_positive_int
 
 # steps_per_message="auto": a message holds steps for about this long (so the
 # driver's cost per message is a small share), and at most AUTO_MOST of them
@@ -50,24 +50,12 @@ AUTO_MOST = 64
 KEEP_MESSAGES = 2048  # messages the window keeps for the timeline
 
 
-def check_window(max_in_flight: Any, steps_per_message: Any) -> None:
-    """Refuse a window's size (messages) or steps per message that is not a positive int ("auto" too for the latter)."""
-
-    def positive(n: Any) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
-
-    if not positive(max_in_flight):
-        raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
-    if steps_per_message != "auto" and not positive(steps_per_message):
-        raise ValueError(f"steps_per_message must be a positive int or 'auto', got {steps_per_message!r}")
-
-
 class Step:
     """One step: held at the driver, then sent in a message (`Sent`), then done with its result or error."""
 
     __slots__ = ("number", "message", "finish", "parcel", "_window", "_value", "_error", "done")
 
-    def __init__(self, number: int, message: Any, finish: Callable[[Any], Any], window: "Window"):
+    def __init__(self, number: int, message: Any, finish: Callable[[Any], Any], window: Window):
         self.number = number
         self.message = message  # until sent
         self.finish = finish  # the ranks' results of this step -> the step's result
@@ -121,7 +109,8 @@ class Window:
 
     def __init__(self, size: int, first: int = 0, *, send: Callable[[int, list], Any],
                  receive: Callable[[Any, range], list], most: int | str = 1):  # fmt: skip
-        check_window(size, most)
+        check_positive_int("max_in_flight", size)
+        check_positive_int("steps_per_message", most, also=("auto",))
         self.size = size
         self._send, self._receive = send, receive
         self._auto = most == "auto"
@@ -328,126 +317,3 @@ class Evaluated(NamedTuple):
 
     def __float__(self) -> float:
         return self.loss
-
-
-def _number_op(op):
-    def forward(self, other):
-        return op(float(self), _plain(other))
-
-    def reverse(self, other):
-        return op(_plain(other), float(self))
-
-    return forward, reverse
-
-
-def _plain(x):
-    return float(x) if isinstance(x, Loss) else x
-
-
-class Loss:
-    """The loss of a train or eval step, read from the ranks when used as a number.
-
-    Behaves as a float: ``float(loss)``, ``f"{loss:.4f}"``, ``print(loss)``,
-    arithmetic (``//``, ``%``, ``divmod``, ``math.floor``... too: every
-    operation of ``numbers.Real``, as on ``float(loss)``), comparisons,
-    ``numpy.asarray(loss)`` and ``math.isclose`` all wait for the step (and
-    raise its failure, if it failed). ``loss.done`` tells without waiting.
-    """
-
-    __slots__ = ("_step",)
-
-    def __init__(self, step: Step):
-        self._step = step
-
-    @property
-    def done(self) -> bool:
-        return self._step.done
-
-    @property
-    def step(self) -> int:
-        """The step's number (0 for the model's first; counted across restarts)."""
-        return self._step.number
-
-    def __float__(self) -> float:
-        return float(self._step.result())
-
-    def outcome(self) -> Any:
-        """What the step returned, waiting for it: the float loss, or an `Evaluated` loss with
-        the metric values of an eval step with metrics."""
-        return self._step.result()
-
-    def item(self) -> float:
-        return float(self)
-
-    def __array__(self, dtype=None, copy=None):
-        return np.asarray(float(self), dtype=dtype)
-
-    def __repr__(self) -> str:
-        return repr(float(self))
-
-    def __str__(self) -> str:
-        return str(float(self))
-
-    def __format__(self, spec: str) -> str:
-        return format(float(self), spec)
-
-    def __bool__(self) -> bool:
-        return bool(float(self))
-
-    def __int__(self) -> int:
-        return int(float(self))
-
-    def __hash__(self) -> int:
-        return hash(float(self))
-
-    def __round__(self, ndigits=None):
-        return round(float(self), ndigits)
-
-    def __abs__(self) -> float:
-        return abs(float(self))
-
-    def __neg__(self) -> float:
-        return -float(self)
-
-    def __pos__(self) -> float:
-        return float(self)
-
-    def __trunc__(self) -> int:
-        return math.trunc(float(self))
-
-    def __floor__(self) -> int:
-        return math.floor(float(self))
-
-    def __ceil__(self) -> int:
-        return math.ceil(float(self))
-
-    def __complex__(self) -> complex:
-        return complex(float(self))
-
-    @property
-    def real(self) -> float:
-        return float(self).real
-
-    @property
-    def imag(self) -> float:
-        return float(self).imag
-
-    def conjugate(self) -> float:
-        return float(self).conjugate()
-
-    __add__, __radd__ = _number_op(operator.add)
-    __sub__, __rsub__ = _number_op(operator.sub)
-    __mul__, __rmul__ = _number_op(operator.mul)
-    __truediv__, __rtruediv__ = _number_op(operator.truediv)
-    __floordiv__, __rfloordiv__ = _number_op(operator.floordiv)
-    __mod__, __rmod__ = _number_op(operator.mod)
-    __divmod__, __rdivmod__ = _number_op(divmod)
-    __pow__, __rpow__ = _number_op(operator.pow)
-    __lt__, __gt__ = _number_op(operator.lt)
-    __le__, __ge__ = _number_op(operator.le)
-    __eq__, _ = _number_op(operator.eq)
-    __ne__, _ = _number_op(operator.ne)
-    del _
-
-
-numbers.Real.register(Loss)  # a number for isinstance checks: it implements every method of numbers.Real

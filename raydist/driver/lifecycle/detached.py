@@ -44,7 +44,6 @@ from ..cluster.state import ended_jobs, through_client
 if TYPE_CHECKING:
     from ..cluster.sizes import Sizes
     from ..model.inputs import InputSpecs
-    from .lifecycle import Dispatch
 
 log = logging.getLogger("raydist")
 
@@ -69,7 +68,7 @@ class Holder:
     client: bool = False
 
     @classmethod
-    def here(cls) -> "Holder":
+    def here(cls) -> Holder:
         return cls(ray.get_runtime_context().get_job_id(), os.getpid(), socket.gethostname(), time.time(),
                    through_client())  # fmt: skip
 
@@ -86,7 +85,6 @@ class Snapshot:
 
     config: GroupConfig
     sizes: Sizes
-    dispatch: Dispatch
     payload: bytes
     metrics: list
     specs: InputSpecs
@@ -174,7 +172,7 @@ class Hold:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def create(cls, name: str) -> "Hold":
+    def create(cls, name: str) -> Hold:
         """A new record for a model ``name``; a ValueError if a detached model of that name exists."""
         holder = Holder.here()
         try:

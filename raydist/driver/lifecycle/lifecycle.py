@@ -51,15 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("raydist")
 
 
-@dataclasses.dataclass(frozen=True)
-class Dispatch:
-    """How steps travel to a group (see `raydist.DistModel`): messages in flight, steps per message, path."""
-
-    max_in_flight: int
-    steps_per_message: int | str
-    dispatch: str
-
-
 class Lifecycle(Restarting, Moves, Adoption):
     """The live group of ranks of one model, and everything that replaces it.
 
@@ -67,23 +58,23 @@ class Lifecycle(Restarting, Moves, Adoption):
     ``modes``, ``rates``, ``state``: the model's parts that a new group resets and restores.
     """
 
-    def __init__(self, config: GroupConfig, sizes: Sizes, payload: bytes, dispatch: Dispatch, spare_ranks: int,
-                 modes: Modes, rates: LearningRate, state: ModelState):  # fmt: skip
+    def __init__(self, config: GroupConfig, sizes: Sizes, payload: bytes, modes: Modes, rates: LearningRate,
+                 state: ModelState):  # fmt: skip
         self.config = config
         self.sizes = sizes
         self.payload = payload
-        self.dispatch = dispatch
         self.modes, self.rates, self.state = modes, rates, state
         state.on_change = _weakly(self.publish)  # a new last checkpoint
         self.recovery = Recovery()
         # peer memory (`raydist.driver.lifecycle.peers`): keepers named after the first group
         self.peers: PeerMemory | None = None
-        self.peer_memory = config.peer_memory
-        self.replicas = ReplicaCheck(config.check_replicas, config.replica_mismatch == "warn") \
-            if config.check_replicas else None  # fmt: skip
+        recovery = config.recovery
+        self.peer_memory = recovery.peer_memory
+        self.replicas = ReplicaCheck(recovery.check_replicas, recovery.replica_mismatch == "warn") \
+            if recovery.check_replicas else None  # fmt: skip
         self._mismatched = False  # the last failure was a replica mismatch: copies after the last clean check are not
         self.restarts = Restarts(state.saves, LifeRebuild(self))
-        self.spares = SparePool(config, spare_ranks)
+        self.spares = SparePool(config, config.placement.spare_ranks)
         self.client: RankClient | None = None
         self.meshes: list = []  # of the layer's parameters, as the live group built them
         self._room: RoomWatch | None = None
@@ -115,7 +106,8 @@ class Lifecycle(Restarting, Moves, Adoption):
         self.config = dataclasses.replace(self.config, num_workers=size)
         config = self.config
         if placement_timeout_s is not None:
-            config = dataclasses.replace(config, placement_timeout_s=placement_timeout_s)
+            config = dataclasses.replace(config, placement=dataclasses.replace(config.placement,
+                                                                      placement_timeout_s=placement_timeout_s))
         group = RankGroup(config, spares)
         client = self._took(group, first_step, base)
         try:
@@ -140,16 +132,16 @@ class Lifecycle(Restarting, Moves, Adoption):
             self.events.model = self.metrics.tags["model"] = group.prefix
         group.on_death(_weakly(self._salvage))
         group.on_failure(_weakly(self._failed))
-        d = self.dispatch
+        d = self.config.dispatch
         client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
-                            step_timeout=group.config.step_timeout_s, first_step=first_step,
+                            step_timeout=d.step_timeout_s, first_step=first_step,
                             steps_per_message=d.steps_per_message)  # fmt: skip
         self.client = client
         stop = self.hold.release if self.hold is not None else client.close
         self._finalizer = weakref.finalize(self, _on_a_thread(stop))
         # the steps in flight, and with peer memory the steps since the copy before the last one, or
         # with replica checks since the copy at or before the check three back (`raydist.worker.mirror.kept`)
-        checks = 3 * (self.config.check_replicas or 0) if self.peer_memory else 0
+        checks = 3 * (self.config.recovery.check_replicas or 0) if self.peer_memory else 0
         keep = (d.max_in_flight + 1) * client.window.most + 2 + 2 * (self.peer_memory or 0) + checks
         # the one before stays with a restart that still needs it; the steps kept before ``base`` go on (a
         # copy before a resize or a restart is still served, with the steps since it)
@@ -161,13 +153,13 @@ class Lifecycle(Restarting, Moves, Adoption):
         now on, and now if it holds a train state (a new model's first state the builders make again),
         and checks its replicas. ``forget=False``: the copies before count the same steps (a restart
         from peer memory or the survivors' state, a resize): they stay until the group's own are complete."""
-        group, check = self.client.group, self.config.check_replicas
+        group, check = self.client.group, self.config.recovery.check_replicas
         if self.peer_memory:
             if self.peers is None:
                 self.peers = PeerMemory(self.peer_memory, group.prefix, self.config.detached)
             draining = self._drains.draining if self._drains is not None else {}
             self.peers.attach(group, base, copy_now=self.modes.built("train"), forget=forget, check_every=check,
-                              avoid=set(draining), in_flight=self.dispatch.max_in_flight)  # fmt: skip
+                              avoid=set(draining), in_flight=self.config.dispatch.max_in_flight)  # fmt: skip
         elif check:
             plan = MirrorPlan(None, 0, base, check_every=check)
             group.gather([a.mirror.remote(plan) for a in group.actors], "the replica check")
@@ -177,7 +169,7 @@ class Lifecycle(Restarting, Moves, Adoption):
     def loaded(self) -> None:
         """The user loaded a checkpoint: a timeline of its own begins. Peer memory's copies and the
         replica checks before it are of another: they go, and the loaded state is copied now."""
-        if self.client is not None and self.client.alive and (self.peer_memory or self.config.check_replicas):
+        if self.client is not None and self.client.alive and (self.peer_memory or self.config.recovery.check_replicas):
             self._mirror(self.trained(), forget=True)
 
     def verify(self, wait: bool = False) -> None:

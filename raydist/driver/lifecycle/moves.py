@@ -91,7 +91,8 @@ class Moves:
 
     def resize(self, size: int, why: str = "grow") -> None:
         """Move to a group of ``size`` ranks, the state handed over from the live ranks (through Ray's
-        object store, rank to rank: `raydist.handover`; no checkpoint is written); at a step boundary only. ``why``: "grow" or "drain"."""
+        object store, rank to rank: `raydist.handover`; no checkpoint is written); at a step boundary
+        only. ``why``: "grow" or "drain"."""
         self.state.wait_saved()
         # each piece stays on its rank's node, owned by the driver, until the new ranks fetch it
         found = live_state(self.client.group.actors, set(self.state.meta("all" if self.modes.built("train")

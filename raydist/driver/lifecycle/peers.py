@@ -57,7 +57,7 @@ class Keeper:
         self._held[(generation, rank, index)] = ray.get(ref[0])  # numpy arrays: views of the store
         if keep is not None:
             for key in [k for k in self._held if k[0] < generation or (k[0] == generation and k[1] == rank
-                                                                        and k[2] != index and k[2] not in keep)]:  # fmt: skip
+                                                                        and k[2] != index and k[2] not in keep)]:
                 del self._held[key]
 
     def forget(self, before: int) -> None:
@@ -124,7 +124,8 @@ class PeerMemory:
         if keeper is None:
             lifetime = {"lifetime": "detached", "namespace": DETACHED_NAMESPACE} if self.detached else {}
             keeper = ray.remote(Keeper).options(
-                name=f"{self.prefix}-keeper-{node[:12]}", get_if_exists=True,  # cluster.config.KEEPER_NAME num_cpus=0, max_concurrency=1,
+                name=f"{self.prefix}-keeper-{node[:12]}", get_if_exists=True,  # cluster.config.KEEPER_NAME
+                num_cpus=0, max_concurrency=1,  # no CPU: a node whose CPUs the ranks hold still keeps copies
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), **lifetime,
             ).remote()  # fmt: skip
             self._keepers[node] = keeper

@@ -52,7 +52,8 @@ class Rebuild(Protocol):
         """Stop the failed group's ranks; the placement bundles it held (room for the new group)."""
 
     def start(self, first_step: int, freed: int, base: int) -> None:
-        """A new group (its steps numbered from ``first_step``), the model built on it, its state after ``base`` train steps."""
+        """A new group (its steps numbered from ``first_step``), the model built on it, its state
+        after ``base`` train steps."""
 
     def put_back(self, state: StateMap, rate: Any) -> None:
         """The new ranks take ``state`` from where it lies (and the learning rate ``rate``, unless None)."""
@@ -61,7 +62,8 @@ class Rebuild(Protocol):
         """The new group reads the checkpoint at ``path``."""
 
     def mirror(self, base: int, forget: bool) -> None:
-        """Start the new group's peer memory and replica checks (``forget``: the copies before are of another timeline)."""
+        """Start the new group's peer memory and replica checks (``forget``: the copies before are
+        of another timeline)."""
 
     def replay(self, steps: tuple, rate: Any) -> int:
         """Run ``steps`` again (up to the first that came from a loader); the learning rate then
@@ -115,10 +117,12 @@ class Restarts:
         replay_s = time.monotonic() - replay_began
         behind = len(offer.steps) - replayed if offer.replay else 0 if offer.source == "replicas" else None
         if offer.replay and offer.source == "peer_memory":
-            log.warning("raydist: replayed %d train steps%s", replayed, f", {behind} more to feed again" if behind else "")
+            more = f", {behind} more to feed again" if behind else ""
+            log.warning("raydist: replayed %d train steps%s", replayed, more)
         rebuild.emit("restart", failure.first_step, source=offer.source, checkpoint=offer.path,
-                  replayed=offer.replayed, behind=behind, trained=offer.trained + replayed, seconds=round(time.monotonic() - began, 3),
-                  state_s=round(state_s, 3), replay_s=round(replay_s, 3))  # fmt: skip
+                     replayed=offer.replayed, behind=behind, trained=offer.trained + replayed,
+                     seconds=round(time.monotonic() - began, 3), state_s=round(state_s, 3),
+                     replay_s=round(replay_s, 3))  # fmt: skip
         return Restored(offer.source, behind, offer.path, offer.trained + replayed)
 
 
@@ -169,8 +173,9 @@ class Restarting:
         """What the failure of the live group left for a restart."""
         recovery, window = self.recovery, self.client.window
         completed = recovery.completed(window.completed)
+        rate = recovery.resume_rate(window.completed, self.rates.position())
         failure = Failure(recovery, recovery.take(), window.submitted, window.completed, completed, completed,
-                          recovery.resume_rate(window.completed, self.rates.position()), recovery.unsalvaged)  # fmt: skip
+                          rate, recovery.unsalvaged)  # fmt: skip
         if self._mismatched:  # the states after the last check that passed may hold the corruption
             failure.salvaged, failure.bound, self._mismatched = None, min(completed, self.replicas.clean), False
             failure.unsalvaged = "after a replica mismatch the survivors' state may hold the corruption"

@@ -57,7 +57,8 @@ class Failure:
 @dataclasses.dataclass(frozen=True)
 class Offer:
     """What ``source`` can give a restart: the state after ``trained`` train steps (``state``: where
-    its pieces lie, `raydist.handover.StateMap`, for the new ranks to fetch; None: a checkpoint's, read from ``path`` by the new ranks, or the builders'),
+    its pieces lie, `raydist.handover.StateMap`, for the new ranks to fetch; None: a checkpoint's, read
+    from ``path`` by the new ranks, or the builders'),
     with the learning rate ``rate`` (None: the replay's, the checkpoint's or the builders'), and
     the (rate, message) of each train step since (``steps``) for a replay when ``replay``.
     ``replayed``: the steps the driver saw done that the state is behind (for the event)."""
@@ -117,7 +118,7 @@ class PeerCopies:
         if self.peers is None:
             return "the model has no peer memory"
         whys = []
-        for (generation, index), holders in sorted(self.peers.copies().items(), key=lambda kv: kv[0][::-1],
+        for (_, index), holders in sorted(self.peers.copies().items(), key=lambda kv: kv[0][::-1],
                                                    reverse=True):  # fmt: skip
             if index > failure.bound:
                 whys.append(f"the copy after {index} train steps is newer than the last state to trust "

@@ -11,13 +11,12 @@ is built) is restored when it is built (`ModelState.built`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray
@@ -244,7 +243,7 @@ class ModelState:
 def _full(pieces: dict[int, dict]) -> dict[str, np.ndarray]:
     """Full tensors from ranks' ``{rank: {name: (local, layout)}}`` (each holds its own)."""
     full = {}
-    for rank, state in pieces.items():
+    for state in pieces.values():
         for name, (array, layout) in state.items():
             if name in full:
                 continue

@@ -6,27 +6,24 @@ instead; nothing has been started or sent yet.
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import ray
 
 from ...data.loader import ShardDataloader
+from ...options import DispatchConfig, PlacementConfig
 from ...specs import from_input_spec, spec_of
-from ...strategy import check as check_strategy, check_dynamic
+from ...strategy import check as check_strategy
+from ...strategy import check_dynamic
 from ..cluster.sizes import Sizes, sizes_of
 from .inputs import leaves, to_array
-from ..dispatch.window import check_window
-
-DISPATCH = ("auto", "compiled", "calls", "tree")
 
 
-def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gpu: bool, max_in_flight: Any,
-                    steps_per_message: Any, dispatch: Any, spare_ranks: Any, name: Any = None,
-                    detached: bool = False, peer_memory: Any = None, check_replicas: Any = None,
-                    replica_mismatch: Any = "raise", dynamic: Any = False,
-                    weights: Any = None) -> None:  # fmt: skip
-    """Refuse arguments that cannot make a model (see `raydist.DistModel` for what each takes)."""
+def check_arguments(layer: Any, loader: Any, loss: Any, optimizer: Any, strategy: Any, metrics: Any, *,
+                    use_gpu: bool, placement: PlacementConfig, dispatch: DispatchConfig, name: Any = None,
+                    detached: Any = False, dynamic: Any = False, weights: Any = None) -> None:  # fmt: skip
+    """Refuse arguments that cannot make a model (see `raydist.DistModel` for what each takes); the
+    options in ``placement`` and ``dispatch`` were checked when they were made."""
     import paddle
 
     if isinstance(layer, paddle.nn.Layer):
@@ -47,7 +44,8 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
                 "of your DataLoader, or a ray.data.Dataset), and each rank reads its own rows"
             )
         raise TypeError(
-            f"loader must be a raydist.shard_dataloader(...), a paddle.io.DataLoader or None, got {type(loader).__name__}"
+            "loader must be a raydist.shard_dataloader(...), a paddle.io.DataLoader or None, "
+            f"got {type(loader).__name__}"
         )
     if loss is not None and not callable(loss):
         raise TypeError(f"loss must be a paddle.nn.Layer or a callable, got {type(loss).__name__}")
@@ -68,20 +66,14 @@ def check_arguments(layer, loader, loss, optimizer, strategy, metrics, *, use_gp
     for metric in metrics or []:
         if not isinstance(metric, paddle.metric.Metric):
             raise TypeError(f"metrics must be paddle.metric.Metric objects, got {type(metric).__name__}")
-    check_window(max_in_flight, steps_per_message)
-    if dispatch not in DISPATCH:
-        raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
-    if not isinstance(spare_ranks, int) or isinstance(spare_ranks, bool) or spare_ranks < 0:
-        raise ValueError(f"spare_ranks must be an int >= 0, got {spare_ranks!r}")
-    for option, value in (("peer_memory", peer_memory), ("check_replicas", check_replicas)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{option} must be None or an int >= 1 (train steps between two), got {value!r}")
-    if replica_mismatch not in ("raise", "warn"):
-        raise ValueError(f"replica_mismatch must be 'raise' or 'warn', got {replica_mismatch!r}")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if not isinstance(use_gpu, bool):
+        raise TypeError(f"use_gpu must be True or False, got {use_gpu!r}")
+    if not isinstance(detached, bool):
+        raise TypeError(f"detached must be True or False, got {detached!r}")
     if detached:
-        _check_detached(name, dispatch, spare_ranks)
+        _check_detached(name, dispatch.dispatch, placement.spare_ranks)
     check_strategy(strategy, use_gpu)
     if weights is not None:
         from ...weights import Weights
