@@ -72,6 +72,7 @@ class PlacementConfig:
                     for k, v in resources.items()):  # fmt: skip
                 raise ValueError("resources_per_rank must map Ray resource names to amounts >= 0, e.g. "
                                  f"{{'CPU': 1, 'GPU': 1}}, got {resources!r}")  # fmt: skip
+            object.__setattr__(self, "resources_per_rank", dict(resources))  # the caller's dict may change
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
                              f"got {self.placement_strategy!r}")  # fmt: skip
@@ -83,6 +84,8 @@ class PlacementConfig:
             raise ValueError(f"spare_ranks must be an int >= 0, got {self.spare_ranks!r}")
         if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
             raise ValueError(f"runtime_env must be a dict (Ray's runtime_env), got {self.runtime_env!r}")
+        if self.runtime_env is not None:
+            object.__setattr__(self, "runtime_env", dict(self.runtime_env))
 
     def bundle(self, use_gpu: bool) -> dict[str, float]:
         """One rank's placement bundle."""

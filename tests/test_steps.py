@@ -12,7 +12,8 @@ import faults
 import raydist
 from raydist import testing
 from helpers import DPMP_MESH, Poisoned, rows
-from raydist.driver.dispatch.window import Loss, Window
+from raydist import Loss
+from raydist.driver.dispatch.window import Window
 from models import Reference, assert_close, assert_params_equal, batches, build, sgd
 
 
