@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RankError(RuntimeError):
     """A rank failed: it raised, or its process died.
@@ -22,11 +24,11 @@ class RankError(RuntimeError):
         where = f" during {during}" if during else ""
         super().__init__(f"rank {rank} {what}{where}:\n{cause}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_rebuild_rank_error, (self.rank, self.cause, self.died, self.during))
 
 
-def _rebuild_rank_error(rank, cause, died, during):
+def _rebuild_rank_error(rank: int, cause: str, died: bool, during: str) -> RankError:
     return RankError(rank, cause, died=died, during=during)
 
 
@@ -53,7 +55,7 @@ class ReplicaMismatchError(RankError):
         """``names``: the tensors that disagree (parameters, or their optimizer state)."""
         return self.names
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (ReplicaMismatchError, (self.step, self.ranks, self.names))
 
 
@@ -90,7 +92,7 @@ class RankFailed(RuntimeError):
         self.traceback = traceback
         self.step = step
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.rank, self.traceback, self.step))
 
 
@@ -101,5 +103,5 @@ class RankRefused(RankFailed):
         super().__init__(rank, traceback)
         self.message = message
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (RankRefused, (self.rank, self.traceback, self.message))

@@ -41,6 +41,9 @@ from .topology import ModePlan
 
 if TYPE_CHECKING:
     from .specs import TensorSpec
+    from .worker.data import DataService
+    from .worker.model import ModelService
+    from .worker.relay import Relay
 
 
 def reports_rank(method):
@@ -137,11 +140,32 @@ class RankActor(Member):
 
     def __init__(self, rank: int, world_size: int):
         super().__init__(rank, world_size)
-        self.model = None  # raydist.worker.model.ModelService, once joined
-        self.data = None  # raydist.worker.data.DataService, once joined
+        self._model: ModelService | None = None  # once joined (`setup`)
+        self._data: DataService | None = None
         self.device = "cpu"
         self.group: str | None = None  # the group's name, once joined
-        self.relays = None  # raydist.worker.relay.Relay, once the driver relays messages through the ranks
+        self._relays: Relay | None = None  # once the driver relays messages through the ranks
+
+    @property
+    def model(self) -> ModelService:
+        """The rank's model (`raydist.worker.model.ModelService`), once it joined its group."""
+        if self._model is None:
+            raise UsageError(f"rank {self.rank} has not joined a group: the driver calls setup first")
+        return self._model
+
+    @property
+    def data(self) -> DataService:
+        """The rank's loaders (`raydist.worker.data.DataService`), once it joined its group."""
+        if self._data is None:
+            raise UsageError(f"rank {self.rank} has not joined a group: the driver calls setup first")
+        return self._data
+
+    @property
+    def relays(self) -> Relay:
+        """How this rank passes the driver's messages on (`raydist.worker.relay.Relay`), once asked to."""
+        if self._relays is None:
+            raise UsageError(f"rank {self.rank} relays no messages: the driver calls set_children first")
+        return self._relays
 
     def warm_up(self, quiet: bool, modules: tuple[str, ...] = ()) -> None:
         """Import Paddle (and ``modules``) while the group is placed (CPU ranks: nothing it
@@ -167,8 +191,8 @@ class RankActor(Member):
         self.group = group
         fixes, self.device = join(env, use_gpu)
         self.data_timeout = data_timeout
-        self.data = DataService(self.device, data_timeout)
-        self.model = ModelService(self.rank, self.world_size, self.device)
+        self._data = DataService(self.device, data_timeout)
+        self._model = ModelService(self.rank, self.world_size, self.device)
         from .worker.steplog import RECORD_ENV, Exporter, Unrecorded
 
         if os.environ.get(RECORD_ENV, "1") == "0":  # for measuring what the record costs (bench paired)
@@ -185,8 +209,8 @@ class RankActor(Member):
         from .worker.data import DataService
 
         self.data.close()
-        self.data = DataService(self.device, self.data_timeout)
-        self.relays = None
+        self._data = DataService(self.device, self.data_timeout)
+        self._relays = None
         return self.model.reattached()
 
     # -- the model ---------------------------------------------------------------
@@ -221,7 +245,7 @@ class RankActor(Member):
         """The actors this rank passes each relayed message on to."""
         from .worker.relay import Relay
 
-        self.relays = Relay(self.rank, self.run, children)
+        self._relays = Relay(self.rank, self.run, children)
 
     def relay(self, first: int, payload: Parcel | list) -> None:
         """Pass the message on to this rank's children, then run its steps (see `raydist.worker.relay`)."""
@@ -299,7 +323,7 @@ class RankActor(Member):
 
     @ray.method(concurrency_group=ASIDE)
     def ping(self) -> Progress | None:
-        return self.model.progress() if self.model is not None else None
+        return self.model.progress() if self._model is not None else None
 
     def mirror(self, plan: MirrorPlan, copy_now: int | None = None) -> None:
         """Peer memory and the replica check from now on (`raydist.worker.mirror`,
@@ -321,27 +345,30 @@ class RankActor(Member):
     def mirrored(self) -> dict[int, dict]:
         """What this rank's own peer-memory copies hold, by train-step index (`raydist.handover.Piece`
         by name; after a peer died: the pieces themselves come with `copy_pieces`)."""
-        mirror = self.model.mirror if self.model is not None else None
+        mirror = self.model.mirror if self._model is not None else None
         return {i: describe(copy, self.rank, codes=False) for i, copy in mirror.copies().items()} if mirror else {}
 
     @ray.method(concurrency_group=ASIDE)
     def copy_pieces(self, index: int, names: list[str]) -> list:
         """The pieces ``names`` of this rank's copy after ``index`` train steps, each its own object
         (called with ``num_returns=len(names)``, so that the caller owns them past this rank's end)."""
-        copy = self.model.mirror.copies()[index]
+        mirror = self.model.mirror
+        if mirror is None:
+            raise UsageError(f"rank {self.rank} keeps no peer-memory copies")
+        copy = mirror.copies()[index]
         return returns([copy[name][0] for name in names])
 
     @ray.method(concurrency_group=ASIDE)
     def replica_codes(self, index: int) -> dict[str, tuple[tuple, int]] | None:
         """The codes of this rank's shards after ``index`` train steps (`raydist.worker.replicas`)."""
-        hashes = self.model.hashes if self.model is not None else None
+        hashes = self.model.hashes if self._model is not None else None
         return hashes.take(index) if hashes is not None else None
 
     @ray.method(concurrency_group=ASIDE)
     def hand_over(self, wait_s: float, names: list[str]) -> list:
         """Beside a step: this rank's pieces of the state once no step runs (see `ModelService.hand_over`;
         called with ``num_returns=len(names) + 1``, so that the caller owns them past this rank's end)."""
-        if self.model is None:
+        if self._model is None:
             return [None] * (len(names) + 1)
         return self.model.hand_over(wait_s, names)
 
@@ -356,11 +383,12 @@ class RankActor(Member):
     def steps(self, last: int | None = None) -> dict[str, Any] | None:
         """The last ``last`` steps this rank ran (all it keeps: None) and the collectives in them
         (`raydist.worker.steplog.StepLog.recent`); None before it joined."""
-        return self.model.log.recent(last) if self.model is not None else None
+        return self.model.log.recent(last) if self._model is not None else None
 
     @ray.method(concurrency_group=ASIDE)
     def status(self) -> dict[str, Any]:
         """`Member.status`, and the rank's group, device, mode and step (the number after its last)."""
-        model = self.model
-        return {**Member.status(self), "group": self.group, "device": self.device, "kind": "model",
+        model = self._model
+        status = Member.status(self)  # type: ignore[operator]  # Ray types a ray.method as remote only
+        return {**status, "group": self.group, "device": self.device, "kind": "model",
                 "mode": model.mode if model is not None else None, "step": model.next_step if model else None}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -158,8 +158,9 @@ def _mean(a: np.ndarray, axis: int) -> np.ndarray:
     return np.add.reduce(a, axis=axis) / a.shape[axis]
 
 
-REDUCTIONS = {"sum": np.add.reduce, "avg": _mean, "max": np.maximum.reduce, "min": np.minimum.reduce,
-              "prod": np.multiply.reduce}  # fmt: skip
+REDUCTIONS: dict[str, Callable[..., np.ndarray]] = {
+    "sum": np.add.reduce, "avg": _mean, "max": np.maximum.reduce, "min": np.minimum.reduce, "prod": np.multiply.reduce,
+}  # fmt: skip
 
 
 @dataclasses.dataclass

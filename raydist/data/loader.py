@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import UsageError
 from ..messages import ReadOrder
+from ..options import check_positive_int
 from ..protocol import RankActor
 from ..specs import TensorSpec
 from ..topology import Mesh, data_layout
@@ -97,8 +99,7 @@ class ShardDataloader:
         if len(dims) != len(self.meshes):
             raise ValueError(f"shard_dims must have one entry per mesh: {len(dims)} != {len(self.meshes)}")
         self.shard_dims = [_dim_name(m, d) for m, d in zip(self.meshes, dims)]
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int (the global batch), got {batch_size!r}")
+        check_positive_int("batch_size", batch_size, what="the global batch")
         self._own = _View(self.meshes, self.shard_dims)  # the loader's own meshes: its data shards
         self.layout, self.dp = self._own.layout, self._own.groups
         for mesh, dim in zip(self.meshes[1:], self.shard_dims[1:]):
@@ -113,8 +114,7 @@ class ShardDataloader:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
         self.shuffle, self.seed, self.drop_last = bool(shuffle), None if seed is None else int(seed), bool(drop_last)
-        if prefetch != "auto" and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1):
-            raise ValueError(f"prefetch must be a positive int or 'auto', got {prefetch!r}")
+        check_positive_int("prefetch", prefetch, also=("auto",))
         self._source = source_of(dataset)
         fields = {f.key: f for f in self._source.fields()}
         keys = list(input_keys) if input_keys is not None else list(fields)
@@ -124,7 +124,7 @@ class ShardDataloader:
         for k in keys:
             _check_dtype(fields[k])
         self.fields = [fields[k] for k in keys]
-        self.prefetch = self._auto_prefetch() if prefetch == "auto" else prefetch
+        self.prefetch: int = self._auto_prefetch() if isinstance(prefetch, str) else prefetch
         self.dict_rows = self._source.dict_rows
         self._id = next(_ids)
         self._rows: int | None = None
@@ -231,7 +231,8 @@ class ShardDataloader:
                 self._epoch.reopen()
             self._client = client
             own = meshes is None or len(meshes[0].process_ids) == len(self.meshes[0].process_ids)
-            view = self._own if own else _View(list(meshes), [self.shard_dims[0], self.shard_dims[-1]])
+            dims = [self.shard_dims[0], self.shard_dims[-1]]
+            view = self._own if own or meshes is None else _View(list(meshes), dims)
             if self.dp % view.groups:
                 raise ValueError(
                     f"the loader's {self.dp} data shards do not split evenly over the model's {view.groups} "
@@ -324,6 +325,8 @@ class _Epoch:
 
     def _open(self) -> None:
         loader, client = self.loader, self.loader._client
+        if client is None:
+            raise UsageError("the loader is read by no model: pass it to raydist.to_static(..., loader) or to fit")
         shards = loader._splits(self.number)
         readers = loader.readers()
         per_group = len(shards) // len(readers)  # more than one for an elastic model below its largest size

@@ -68,7 +68,7 @@ def evaluate(call: Callable[..., Any], modes: Modes, metrics: Sequence[Any], dat
     return result
 
 
-def callback_list(callbacks: Any):
+def callback_list(callbacks: Any) -> Any:
     """Paddle's CallbackList of ``callbacks`` (a list of Callback objects, or a CallbackList)."""
     from paddle.hapi.callbacks import CallbackList
 

@@ -124,20 +124,19 @@ def fit(
     total = len(loader) * epochs if steps is None else min(steps, len(loader) * epochs)
     if dm.mode != "train":
         dm.train()
-    run = _Run(dm, training, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every)
-    run.keep_last = keep_last
-    run.pace = Pace(loader.batch_size, flops_per_sample, peak_flops)
-    training.metrics.batch_size = loader.batch_size
-    run.identity = runs.identity(loader, training.state_meta("param"))
     user_callbacks = list(callbacks or [])
+    run = _Run(dm, training, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every,
+               keep_last, Pace(loader.batch_size, flops_per_sample, peak_flops),
+               runs.identity(loader, training.state_meta("param")), user_callbacks)  # fmt: skip
+    training.metrics.batch_size = loader.batch_size
     if found is not None:
+        assert checkpoint_dir is not None  # found in it
         _check_same_run(found, run.identity, checkpoint_dir)
         dm.load(found.path)
         if found.finished:
             log.warning("raydist: the run in %s has finished (%d steps); nothing to do", checkpoint_dir, found.steps)
             return found.history
     run.callbacks = _callbacks(user_callbacks, run, loader, epochs, total)
-    run.user_callbacks = user_callbacks
     sink = JsonLines(checkpoint_dir) if checkpoint_dir else None
     if sink is not None:  # the run's events survive the driver; a resumed run goes on with the same file
         training.events.add_sink(sink)
@@ -150,8 +149,8 @@ def fit(
             training.events.remove_sink(sink)
 
 
-def _fit(run: _Run, training: Training, found, total: int, progress: bool, max_failures: int,
-         checkpoint_dir: str | None) -> list[float]:  # fmt: skip
+def _fit(run: _Run, training: Training, found: runs.CheckpointInfo | None, total: int, progress: bool,
+         max_failures: int, checkpoint_dir: str | None) -> list[float]:  # fmt: skip
     failures = 0
     with tqdm(total=total, unit="step", disable=not progress, desc="fit") as bar:
         run.bar = bar
@@ -223,7 +222,9 @@ def _epochs(loader: Any, max_failures: int, resume: bool) -> Any:
 
 def _found(directory: str | None, resume: bool) -> runs.CheckpointInfo | None:
     """With ``resume``: the run in ``directory`` to go on with (None: start one); without it, an empty directory."""
-    names = checkpoint.listing(directory) if directory and checkpoint.exists(directory) else []
+    if not directory or not checkpoint.exists(directory):
+        return None
+    names = checkpoint.listing(directory)
     if not names:
         return None
     if not resume:
@@ -263,27 +264,29 @@ class _Sent:
 
 
 class _Run:
-    def __init__(self, dm, training: Training, loader, epochs, total, every, directory, eval_loader, eval_every):
+    def __init__(self, dm: DistModel, training: Training, loader: Any, epochs: int, total: int, every: int | None,
+                 directory: str | None, eval_loader: Any, eval_every: int | None, keep_last: int | None, pace: Pace,
+                 identity: dict[str, Any], user_callbacks: list[Any]) -> None:  # fmt: skip
         self.dm, self.training, self.rates = dm, training, training.rates
         self.loader, self.epochs, self.total = loader, epochs, total
         self.every, self.directory = every, directory
         self.eval_loader, self.eval_every = eval_loader, eval_every
         self.history: list[float] = []
-        self.position = (0, 0)  # (epoch, step) to go on from
+        self.position: tuple[int, ...] = (0, 0)  # (epoch, step) to go on from
         self.begun = -1  # the last epoch whose on_epoch_begin was called
         self.ended = -1  # the last epoch whose end (evaluation, schedule, callbacks) was done
         self.pending: collections.deque[_Sent] = collections.deque()  # sent, loss not yet collected
         self.stood_still = False  # whether a save or an evaluation ran since the last step
-        self.bar = None
-        self.callbacks = None
+        self.bar: Any = None  # the progress bar (tqdm), while `_fit` runs
+        self.callbacks: Any = None  # Paddle's CallbackList, which sees this run (`_callbacks`)
         self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
         self.stop_training = False  # set by callbacks (EarlyStopping), through the model they see
         self.logs: dict[str, Any] = {}
-        self.keep_last: int | None = None
+        self.keep_last = keep_last
         self.preempted = False  # a preemption notice came that the group could not move off
-        self.identity: dict[str, Any] = {}
-        self.user_callbacks: list[Any] = []
-        self.pace: Pace = Pace(loader.batch_size)
+        self.identity = identity
+        self.user_callbacks = user_callbacks
+        self.pace = pace
         self.saving: str | None = None  # the last checkpoint this run began to save
         self.base = 0  # the model's train steps before this run's first (its history counts from there)
 
@@ -377,12 +380,17 @@ class _Run:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{self.history[-1]:.4f}", **self.pace.postfix(self.logs), refresh=False)
 
+    def _directory(self) -> str:
+        if self.directory is None:
+            raise RuntimeError("fit saves checkpoints only into a checkpoint_dir")
+        return self.directory
+
     def checkpoint(self, epoch: int, step: int, background: bool = True) -> None:
         """Save, with where the run stands (data position, history, ended epochs, callbacks' state): in the
         background, the ranks writing their snapshots while the next steps run (`ModelState.save`)."""
         done = len(self.history)
         self.stood_still = True
-        path = posixpath.join(self.directory, f"step-{done:08d}")
+        path = posixpath.join(self._directory(), f"step-{done:08d}")
         if path == self.saving:  # a notice's save right after the schedule's: that one, complete
             self.training.wait_saved()
         if checkpoint.exists(path):  # saved on this timeline (a restart moves aside those of others)
@@ -395,18 +403,18 @@ class _Run:
 
     def _keep_last(self) -> None:
         if self.keep_last:  # of the complete ones (a save in the background is not one yet)
-            for old in checkpoint.complete(self.directory)[: -self.keep_last]:
+            for old in checkpoint.complete(self._directory())[: -self.keep_last]:
                 checkpoint.remove(old)
 
     def finish(self) -> None:
         """The run's end: its state saved (unless the newest checkpoint has it), then finished.json naming it."""
         done = len(self.history)
         self.training.wait_saved()
-        newest = checkpoint.complete(self.directory)
+        newest = checkpoint.complete(self._directory())
         if not newest or posixpath.basename(newest[-1]) != f"step-{done:08d}":
             self.checkpoint(*divmod(done, len(self.loader)), background=False)
         self._keep_last()
-        checkpoint.write_json(posixpath.join(self.directory, runs.FINISHED),
+        checkpoint.write_json(posixpath.join(self._directory(), runs.FINISHED),
                               {"checkpoint": f"step-{done:08d}", "steps": done})  # fmt: skip
 
     def keep_completed(self) -> None:
@@ -436,7 +444,7 @@ class _Run:
         if found is not None and "fit" not in found.record:
             raise RuntimeError(f"the restart went back to {path}, a checkpoint from before this fit: the run cannot "
                                "go on from it (its data position is not this run's)")  # fmt: skip
-        self.position, done = (tuple(found.position), found.steps) if found is not None else ((0, 0), 0)
+        self.position, done = (tuple(found.position or (0, 0)), found.steps) if found is not None else ((0, 0), 0)
         del self.history[done:]
         self.bar.n = done
         self.bar.refresh()
@@ -476,7 +484,7 @@ class Pace:
 PACE_STEPS = 50
 
 
-def _callbacks(callbacks: Sequence[Any] | None, run: _Run, loader, epochs: int, total: int):
+def _callbacks(callbacks: Sequence[Any] | None, run: _Run, loader: Any, epochs: int, total: int) -> Any:
     """Paddle's CallbackList over ``callbacks``, seeing the model through `_CallbackModel`.
 
     A ``paddle.callbacks.LRScheduler`` among them says when the schedule steps
@@ -526,12 +534,12 @@ class _OptimizerView:
         self._dm, self._rates = dm, rates
 
     @property
-    def _learning_rate(self):
+    def _learning_rate(self) -> Any:  # the schedule, or the float rate
         return self._rates.scheduler if self._rates.scheduler is not None else self._rates.now()
 
     @_learning_rate.setter
     def _learning_rate(self, value: float) -> None:  # ReduceLROnPlateau
         self._rates.set(value)
 
-    def get_lr(self) -> float:
+    def get_lr(self) -> float | None:
         return self._rates.now()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,17 +13,19 @@ import numpy as np
 from ..dispatch.window import Step
 
 
-def _number_op(op):
-    def forward(self, other):
+def _number_op(op: Callable[[Any, Any], Any]) -> tuple[Callable[[Loss, Any], Any], Callable[[Loss, Any], Any]]:
+    """``op`` on a loss and another operand, either way round, as on the loss's float."""
+
+    def forward(self: Loss, other: Any) -> Any:
         return op(float(self), _plain(other))
 
-    def reverse(self, other):
+    def reverse(self: Loss, other: Any) -> Any:
         return op(_plain(other), float(self))
 
     return forward, reverse
 
 
-def _plain(x):
+def _plain(x: Any) -> Any:
     return float(x) if isinstance(x, Loss) else x
 
 
@@ -64,7 +67,7 @@ class Loss:
         """The loss as a float, as ``paddle.Tensor.item`` (waits for the step)."""
         return float(self)
 
-    def __array__(self, dtype=None, copy=None):
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         return np.asarray(float(self), dtype=dtype)
 
     def __repr__(self) -> str:
@@ -85,7 +88,7 @@ class Loss:
     def __hash__(self) -> int:
         return hash(float(self))
 
-    def __round__(self, ndigits=None):
+    def __round__(self, ndigits: int | None = None) -> float:
         return round(float(self), ndigits)
 
     def __abs__(self) -> float:

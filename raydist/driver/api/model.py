@@ -29,7 +29,7 @@ from ...strategy import micro_batch_size, micro_batches
 from ...weights import Weights
 from ..cluster.config import GroupConfig
 from ..cluster.connect import init_ray, ray_started_here
-from ..dispatch.client import RankClient
+from ..dispatch.client import RankClient, live
 from ..lifecycle.lifecycle import Lifecycle
 from ..model.inputs import InputSpecs, leaves
 from ..model.modes import MODES, Modes
@@ -195,13 +195,13 @@ class DistModel:
                 log.warning("raydist: %r is detached, but this process started the local Ray it runs on, which "
                             "ends with the process: start a cluster (`ray start --head`) for its ranks to outlive "
                             "it", name)  # fmt: skip
-            self._hold_on(Hold.create(name))
+            self._hold_on(Hold.create(str(name)))  # (a detached model has a name: check_arguments)
         if shard_loader is not None:
             shard_loader.prepare()  # the first epoch's split starts while the ranks do
         try:
             self._life.start()
         except BaseException:
-            if detached:
+            if self._life.hold is not None:
                 self._life.hold.end()
             raise
         if shard_loader is not None:
@@ -251,8 +251,8 @@ class DistModel:
 
     @property
     def _client(self) -> RankClient:
-        """The live group's client (for tests and benchmarks)."""
-        return self._life.client
+        """The live group's client (for tests and benchmarks); a `GroupShutdownError` once shut down."""
+        return live(self._life.client)
 
     # -- modes -----------------------------------------------------------------
 
@@ -356,7 +356,7 @@ class DistModel:
         if not 0 <= rank < self._client.size:
             raise ValueError(f"rank must be in [0, {self._client.size}), got {rank}")
         self._modes.build(mode)
-        return self._client.call(RankActor.program, kind, mode, ranks=[rank])[0]
+        return str(self._client.call(RankActor.program, kind, mode, ranks=[rank])[0])
 
     def state_dict(self, mode: str = "all") -> dict[str, np.ndarray]:
         """The FULL (unsharded) state as numpy arrays, keyed like Paddle's ``DistModel.state_dict``.
@@ -396,11 +396,10 @@ class DistModel:
 
         from ... import __version__
 
-        if position is not None:
-            position = [int(p) for p in position]
+        at = None if position is None else [int(p) for p in position]
         began, step = time.monotonic(), self._client.window.submitted
         self._state.save(path, self._life.trained(), background, step=step, mode=self.mode, raydist=__version__,
-                         paddle=paddle.__version__, position=position, record=record or {})  # fmt: skip
+                         paddle=paddle.__version__, position=at, record=record or {})  # fmt: skip
         self._life.events.emit("checkpoint", step, path=path, background=background,
                                stall_s=round(time.monotonic() - began, 6))  # fmt: skip
 
@@ -575,7 +574,7 @@ class DistModel:
     def __enter__(self) -> DistModel:
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         # without an exception, raise a failure of the last steps; with one, it says what went wrong
         self._life.shutdown(drain=exc_type is None)
 

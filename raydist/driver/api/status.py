@@ -83,7 +83,7 @@ def models(timeout_s: float = 10.0) -> list[ModelStatus]:
     for group in sorted(found):
         detached, actors, cards = found[group]["detached"], found[group]["ranks"], found[group]["cards"]
         mine = [s for s in ranks if s.group == group]
-        card = next((c for c in cards if c), {})
+        card: dict[str, Any] = next((c for c in cards if c), {})
         steps = [s.step for s in mine if s.step is not None]
         modes = {s.mode for s in mine if s.mode is not None}
         holder = (found[group]["holder"] if detached else card.get("holder"))
@@ -124,10 +124,10 @@ def _survey(timeout_s: float) -> tuple[list[RankStatus], dict[str, dict[str, Any
         except (ValueError, AttributeError):  # gone meanwhile; or somebody else's actor with a name like ours
             continue
         refs.append((match["group"], "rank" in entry["name"][len(match["group"]):], int(match["rank"]), ref))
-        group = found.setdefault(match["group"], {"detached": entry["namespace"] == DETACHED_NAMESPACE,
-                                                  "ranks": set(), "cards": []})  # fmt: skip
-        if group["detached"] and "holder" not in group:
-            group["holder"] = _holder(match["group"])
+        record = found.setdefault(match["group"], {"detached": entry["namespace"] == DETACHED_NAMESPACE,
+                                                   "ranks": set(), "cards": []})  # fmt: skip
+        if record["detached"] and "holder" not in record:
+            record["holder"] = _holder(match["group"])
     ready = set(ray.wait([r for *_, r in refs], num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
     out = []
     for group, named_rank, number, ref in refs:

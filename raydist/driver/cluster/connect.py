@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -17,7 +18,7 @@ log = logging.getLogger("raydist")
 DATA_CPUS = 2  # logical CPUs a local Ray gets beyond the ranks', for Ray Data's tasks
 
 
-def init_ray(num_workers: int, resources_per_rank: dict | None, use_gpu: bool) -> bool:
+def init_ray(num_workers: int, resources_per_rank: Mapping[str, float] | None, use_gpu: bool) -> bool:
     """Connect to Ray unless connected; returns whether this call did (so it may disconnect).
 
     - ``RAY_ADDRESS`` set (as under ``ray job submit``): that cluster.

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 import numpy as np
 
+from ...errors import GroupShutdownError
 from ...messages import Parcel, StepMessage
 from ...topology import REDUCTIONS
 from ..cluster.config import call_on
@@ -32,8 +33,16 @@ from .window import Step, Window
 
 log = logging.getLogger("raydist")
 
-P = ParamSpec("P")
-R = TypeVar("R")
+# A rank's endpoint: a method of `raydist.protocol.RankActor` (e.g. ``RankActor.state_meta``), called by
+# name on the rank actors. Any: Ray types a method under ``@ray.method`` as remote-only, not as a function.
+Endpoint = Any
+
+
+def live(client: RankClient | None) -> RankClient:
+    """``client``, the live group's; a `GroupShutdownError` if there is none (the model was shut down)."""
+    if client is None:
+        raise GroupShutdownError("the model has no live group of ranks: it was shut down")
+    return client
 
 
 class RankClient:
@@ -83,8 +92,7 @@ class RankClient:
         """``rank``'s actor handle (for ranks that call each other, e.g. a loader's readers)."""
         return self.group.actors[rank]
 
-    def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, ranks: Sequence[int] | None = None,
-             **kwargs: P.kwargs) -> list[R]:  # fmt: skip
+    def call(self, method: Endpoint, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
         """``method``'s results from every rank (or ``ranks``), in order, once every step in flight is done."""
         self.window.drain()
         self.group.check_alive()
@@ -92,14 +100,14 @@ class RankClient:
         refs = call_on([self.group.actors[r] for r in ranks], method, *args, **kwargs)
         return self.group.gather(refs, method.__name__, ranks, watch=self.watch)
 
-    def call_each(self, method: Callable[..., R], args: dict[int, tuple]) -> list[R]:
+    def call_each(self, method: Endpoint, args: dict[int, tuple]) -> list[Any]:
         """``method``'s results from the ranks of ``args``, each called with its own arguments."""
         self.window.drain()
         self.group.check_alive()
         refs = [getattr(self.group.actors[r], method.__name__).remote(*a) for r, a in args.items()]
         return self.group.gather(refs, method.__name__, list(args), watch=self.watch)
 
-    def tell(self, rank: int, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
+    def tell(self, rank: int, method: Endpoint, *args: Any, **kwargs: Any) -> None:
         """Call ``method`` on ``rank`` without waiting; its failures reach the steps that need it."""
         self.group.check_alive()
         call_on([self.group.actors[rank]], method, *args, **kwargs)
@@ -174,7 +182,7 @@ class MessageAnswers:
         """``op`` over ``ranks`` of the value ``value``, for every step (None if not stacked per step)."""
         key = (value, ranks, op)
         if key not in self._reduced:
-            stacked_by_transport = getattr(self.answers, "stacked", None)  # the relay tree's answer
+            stacked_by_transport: Callable[..., Any] | None = getattr(self.answers, "stacked", None)  # a tree's
             stacked = stacked_by_transport(value, ranks) if stacked_by_transport is not None else None
             if stacked is None:  # by rank: stack them here
                 columns = [self.answers[r].columns[value] for r in ranks]

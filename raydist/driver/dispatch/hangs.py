@@ -13,6 +13,7 @@ is not this module's business: Ray reports that at once.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -72,7 +73,8 @@ class Watch:
                     longest = max(longest, answer.for_s)
                     if answer.for_s > self.limit:
                         hung.append(rank)
-            gone = [r for r in silent if self._clock() - heard.get(r, began) > self.silence]
+            silence = self.silence if self.silence is not None else math.inf
+            gone = [r for r in silent if self._clock() - heard.get(r, began) > silence]
             if gone or (hung and silent):
                 raise self.group.timed_out(
                     silent, during,

@@ -38,7 +38,7 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -101,6 +101,7 @@ class CompiledTransport:
             dag = MultiOutputNode([actor.run.bind(message) for actor in group.actors])
         self._graph = dag.experimental_compile(_max_inflight_executions=max_in_flight)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raydist-graph")
+        self._closed = False
 
     def send(self, parcel: Parcel) -> _Ticket:
         return _Ticket(self._thread.submit(self._graph.execute, parcel))
@@ -122,8 +123,9 @@ class CompiledTransport:
         return [ray.get(ref, timeout=-1) for ref in sent.result()]  # -1: no limit
 
     def close(self) -> None:
-        if self._thread is None:
+        if self._closed:
             return
+        self._closed = True
         quiet = logging.getLogger("ray.dag.compiled_dag_node")
         level, quiet.level = quiet.level, logging.CRITICAL  # it logs every killed rank as an error
         try:
@@ -132,8 +134,7 @@ class CompiledTransport:
             pass
         finally:
             quiet.setLevel(level)
-            thread, self._thread = self._thread, None
-            thread.shutdown(wait=False, cancel_futures=True)
+            self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 # Each rank passes a relayed message on to at most this many others on its node, and
@@ -183,7 +184,7 @@ class TreeTransport:
         self._root.relay.remote(parcel.first, parcel)
         return self._root.collect.remote(parcel.first)
 
-    def receive(self, ref: ray.ObjectRef, steps: range) -> list:
+    def receive(self, ref: ray.ObjectRef, steps: range) -> Sequence[Any]:
         try:
             answers = self.watch.wait(lambda timeout: ray.get(ref, timeout=timeout), during(steps))
         except RankError:
@@ -206,7 +207,7 @@ class TreeAnswers(Sequence):
     def __len__(self) -> int:
         return self._size
 
-    def __getitem__(self, rank: int) -> StepResults | None:
+    def __getitem__(self, rank: int) -> StepResults | None:  # type: ignore[override]  # by rank, no slices
         if not 0 <= rank < self._size:
             raise IndexError(rank)
         return None if self._answers is None else self._answers[rank]

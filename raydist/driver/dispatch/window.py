@@ -113,9 +113,9 @@ class Window:
         check_positive_int("steps_per_message", most, also=("auto",))
         self.size = size
         self._send, self._receive = send, receive
-        self._auto = most == "auto"
-        self.most = AUTO_MOST if self._auto else most
-        self._k = 1 if self._auto else most  # steps per message now
+        self._auto = isinstance(most, str)  # "auto", the one str allowed
+        self.most: int = AUTO_MOST if isinstance(most, str) else most
+        self._k = 1 if self._auto else self.most  # steps per message now
         self._sent: collections.deque[Sent] = collections.deque()
         self._held: list[Step] = []  # submitted while `size` messages were in flight
         self._count = first

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ... import checkpoint
 from ...errors import RankError
 from ..cluster.group import RankGroup
+from .parts import LifeParts
 
 if TYPE_CHECKING:
     from ..dispatch.client import RankClient
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("raydist")
 
 
-class Adoption:
+class Adoption(LifeParts):
     """`raydist.driver.lifecycle.lifecycle.Lifecycle`'s part for a detached model's running ranks."""
 
     client: RankClient | None
@@ -53,12 +54,12 @@ class Adoption:
         saved = self.state.saves.last
         path = saved.path if saved is not None else None
         log.warning("raydist: the detached model %r cannot go on where it stood: %s; starting its ranks again "
-                    "from %s", self.hold.name, why, path or "its initial parameters (no checkpoint)")  # fmt: skip
+                    "from %s", self.config.name, why, path or "its initial parameters (no checkpoint)")  # fmt: skip
         self.start(first_step=checkpoint.read_manifest(path).get("step", 0) if path else 0,
                    base=saved.trained if saved is not None else 0)  # fmt: skip
         if path is not None:
             self.state.load(path, self.modes.built("train"), None)
-        self.events.emit("restart", self.step(), size=self.client.size, source="checkpoint" if path else "start",
+        self.events.emit("restart", self.step(), size=self.live().size, source="checkpoint" if path else "start",
                          checkpoint=path, replayed=None)  # fmt: skip
 
     def _lost(self, why: str) -> None:
@@ -66,5 +67,5 @@ class Adoption:
         log.warning("raydist: %s", why)
         self._stop_watching_room()
         if self.client is not None:
-            self.client.group.let_go(why)
+            self.live().group.let_go(why)
         self.peers = None  # the keepers are the new driver's

@@ -32,7 +32,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -356,7 +356,7 @@ def stop(name: str, force: bool = False) -> None:
             pass
 
 
-def kill_named(group: str, namespace: str | None, actors: list = ()) -> int:
+def kill_named(group: str, namespace: str | None, actors: Sequence[Any] = ()) -> int:
     """Kill ``actors`` and every actor named as a rank, spare or peer-memory keeper of ``group`` (in
     ``namespace``; None: any); how many."""
     actors = list(actors)

@@ -153,7 +153,7 @@ class Lifecycle(Restarting, Moves, Adoption):
         now on, and now if it holds a train state (a new model's first state the builders make again),
         and checks its replicas. ``forget=False``: the copies before count the same steps (a restart
         from peer memory or the survivors' state, a resize): they stay until the group's own are complete."""
-        group, check = self.client.group, self.config.recovery.check_replicas
+        group, check = self.live().group, self.config.recovery.check_replicas
         if self.peer_memory:
             if self.peers is None:
                 self.peers = PeerMemory(self.peer_memory, group.prefix, self.config.detached)
@@ -221,7 +221,7 @@ class Lifecycle(Restarting, Moves, Adoption):
                 "events": self.events.last(3)}  # fmt: skip
         for actor in group.actors:
             actor.describe.remote(card)
-        if self.hold is not None:
+        if self.hold is not None and self.snapshot is not None:
             self.hold.publish(self.snapshot(), group.actors, group.placement_group)
 
     def _published(self, event: dict) -> None:

@@ -19,6 +19,7 @@ import ray
 from ..cluster.placement import placeable_now
 from ..cluster.sizes import Sizes
 from ..cluster.state import Outage
+from .parts import LifeParts
 from .recovery import live_state
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ HAND_OVER_WAIT_S = 60.0  # how long a move waits for the live ranks to hand over
 ROOM_POLL_S = 1.0  # how often an elastic model below its largest size looks for room to grow
 
 
-class Moves:
+class Moves(LifeParts):
     """`raydist.driver.lifecycle.lifecycle.Lifecycle`'s moves between steps (a part of it)."""
 
     client: RankClient | None
@@ -58,34 +59,34 @@ class Moves:
         model's only one), ``"noticed"`` (it could not: `notice` is
         set, for `fit` to checkpoint), ``"grew"``, or None. ``before`` runs before any of these;
         ``grow=False``: act on notices only."""
-        if self.client is None or not self.client.alive:
+        if self.client is None or not self.live().alive:
             return None
-        notice = self._drains.notice(self.client.group.nodes) if self._drains is not None else None
+        notice = self._drains.notice(self.live().group.nodes) if self._drains is not None else None
         size = None if notice is not None or not grow else self.can_grow(look)
         if (notice is not None or size is not None) and before is not None:
             before()
         if notice is not None:
-            on = [r for r, node in enumerate(self.client.group.nodes) if node in notice.nodes]
+            on = [r for r, node in enumerate(self.live().group.nodes) if node in notice.nodes]
             log.warning("raydist: preemption notice: %s; it holds ranks %s", notice, on)
             size = self._size_off()  # a fixed-size model moves too, when its size fits elsewhere
             self.events.emit("drain", self.step(), nodes=sorted(notice.nodes), deadline=notice.deadline, ranks=on,
                              action="move" if size is not None else "checkpoint")  # fmt: skip
             if size is not None:
                 log.warning("raydist: moving off it, from %d to %d ranks on other nodes, with the live state (no "
-                            "checkpoint)", self.client.size, size)  # fmt: skip
+                            "checkpoint)", self.live().size, size)  # fmt: skip
                 self.resize(size, why="drain")
                 return "moved"
             self.notice = notice
             return "noticed"
         if size is not None:
-            log.warning("raydist: room for %d ranks; growing from %d", size, self.client.size)
+            log.warning("raydist: room for %d ranks; growing from %d", size, self.live().size)
             self.resize(size, why="grow")
             return "grew"
         return None
 
     def _size_off(self) -> int | None:
         """The largest accepted size that fits on nodes that are not draining, if any."""
-        room = placeable_now(self.config.bundle()) + self.client.group.live_bundles()
+        room = placeable_now(self.config.bundle()) + self.live().group.live_bundles()
         size = self.sizes.fitting(room)
         return size if size <= room else None
 
@@ -95,18 +96,19 @@ class Moves:
         only. ``why``: "grow" or "drain"."""
         self.state.wait_saved()
         # each piece stays on its rank's node, owned by the driver, until the new ranks fetch it
-        found = live_state(self.client.group.actors, set(self.state.meta("all" if self.modes.built("train")
+        found = live_state(self.live().group.actors, set(self.state.meta("all" if self.modes.built("train")
                                                                           else "param")), HAND_OVER_WAIT_S)  # fmt: skip
         if isinstance(found, str):  # at a step boundary every rank answers: a rank died meanwhile
             raise RuntimeError(f"raydist: the ranks could not hand over their state for the move: {found}")
         state = found[1]
         rate = self.rates.position()
-        first_step = self.client.window.submitted
+        first_step = self.live().window.submitted
         base = self.recovery.base + self.recovery.trained  # at a boundary: every step sent completed
-        freed, before = self.client.group.live_bundles(), self.client.size
+        freed, before = self.live().group.live_bundles(), self.live().size
         self._stop_watching_room()
-        self._finalizer.detach()
-        self.client.close(drain=True)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self.live().close(drain=True)
         try:  # the room seen a moment ago may be gone (taken by another job, a node lost again)
             self.start(first_step, size=size, freed=freed, placement_timeout_s=GROW_PLACEMENT_S, base=base,
                        mirror=False)  # fmt: skip
@@ -115,11 +117,11 @@ class Moves:
             self.start(first_step, base=base, mirror=False)
         self._put_back(state, rate)
         self._mirror(base, forget=False)
-        self.events.emit("resize", first_step, to=self.client.size, why=why, **{"from": before})
+        self.events.emit("resize", first_step, to=self.live().size, why=why, **{"from": before})
 
     def _watch_room(self) -> None:
-        if self.sizes.elastic and self.client.size < self.sizes.max:
-            self._room = RoomWatch(self.sizes, self.client.size, self.config.bundle())
+        if self.sizes.elastic and self.live().size < self.sizes.max:
+            self._room = RoomWatch(self.sizes, self.live().size, self.config.bundle())
 
     def _stop_watching_room(self) -> None:
         room, self._room = self._room, None

@@ -70,12 +70,12 @@ class Keeper:
 
     def describe(self, key: tuple[int, int, int]) -> dict[str, Piece]:
         """What the copy ``key`` holds (`raydist.handover.Piece` by name, no data)."""
-        return describe(self._held[tuple(key)], key[1], codes=False)
+        return describe(self._held[(key[0], key[1], key[2])], key[1], codes=False)
 
     def pieces(self, key: tuple[int, int, int], names: list[str]) -> Any:
         """The pieces ``names`` of the copy ``key``, each its own object (called with ``num_returns=len(names)``,
         by the new rank that needs them: it owns what it gets)."""
-        return returns([self._held[tuple(key)][name][0] for name in names])
+        return returns([self._held[(key[0], key[1], key[2])][name][0] for name in names])
 
 
 def keeper_nodes(rank_nodes: Sequence[str], alive: Sequence[str]) -> list[str]:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import HandoverLost
+from .parts import LifeParts
 from .recovery import LIVE_STATE_WAIT_S
 from .sources import Checkpoints, Failure, Offer, PeerCopies, Source, Start, Survivors, choose, replayable
 
@@ -149,7 +150,7 @@ def _log(offer: Offer, offers: dict[str, Offer | str]) -> None:
                     len(offer.steps))  # fmt: skip
 
 
-class Restarting:
+class Restarting(LifeParts):
     """`raydist.driver.lifecycle.lifecycle.Lifecycle`'s part in a restart: the failure it reads, the
     survivors' state it keeps, the state and the steps it puts in a new group."""
 
@@ -165,20 +166,21 @@ class Restarting:
         on from leave the timeline (`raydist.driver.model.saves`). What it went on from: see `Restored`,
         and `raydist.DistModel.restart`."""
         self.state.wait_saved()  # a background save ends first: committed, or gone with the ranks
-        sources = {"replicas": Survivors(), "peer_memory": PeerCopies(self.peers, self.state.names),
-                   "checkpoint": Checkpoints(self.state.saves), "start": Start(self.state.saves)}  # fmt: skip
+        sources: dict[str, Source] = {"replicas": Survivors(), "peer_memory": PeerCopies(self.peers, self.state.names),
+                                      "checkpoint": Checkpoints(self.state.saves),
+                                      "start": Start(self.state.saves)}  # fmt: skip
         return self.restarts.restart(self._failed_at, sources)
 
     def _failed_at(self) -> Failure:
         """What the failure of the live group left for a restart."""
-        recovery, window = self.recovery, self.client.window
+        recovery, window = self.recovery, self.live().window
         completed = recovery.completed(window.completed)
         rate = recovery.resume_rate(window.completed, self.rates.position())
         failure = Failure(recovery, recovery.take(), window.submitted, window.completed, completed, completed,
                           rate, recovery.unsalvaged)  # fmt: skip
-        if self._mismatched:  # the states after the last check that passed may hold the corruption
+        if self._mismatched and self.replicas is not None:  # after the last check that passed, any state may
             failure.salvaged, failure.bound, self._mismatched = None, min(completed, self.replicas.clean), False
-            failure.unsalvaged = "after a replica mismatch the survivors' state may hold the corruption"
+            failure.unsalvaged = "after a replica mismatch the survivors' state may hold the corruption"  # hold it
         return failure
 
     def _replay(self, steps: tuple, resume_rate: Any) -> int:
@@ -190,10 +192,10 @@ class Restarting:
             self.rates.go_to(rate)
             self.modes.mode = "train"
             again = self.modes.message(list(message.arrays), self.rates.take_changes)
-            step = self.client.step(again, lambda results: None)
+            step = self.live().step(again, lambda results: None)
             self.sent(step.number, True, rate, again)
             replayed += 1
-        self.client.drain()
+        self.live().drain()
         if self.modes.mode != mode:
             self.modes.switch(mode)
         self.rates.go_to(steps[replayed][0] if replayed < len(steps) else resume_rate)
@@ -201,9 +203,9 @@ class Restarting:
 
     def _salvage(self, group: RankGroup) -> None:
         """A rank of ``group`` died: keep what its survivors hold, for `restart`."""
-        if self.client is None or group is not self.client.group or not self.modes.built("train"):
+        if self.client is None or group is not self.live().group or not self.modes.built("train"):
             return
-        self.recovery.salvage(group, self.state.names, self.client.window.oldest, self.rates.position())
+        self.recovery.salvage(group, self.state.names, self.live().window.oldest, self.rates.position())
         if self.peers is not None:  # the survivors' own copies, before the group is torn down
             self.peers.salvage(group, LIVE_STATE_WAIT_S)
 

@@ -20,6 +20,7 @@ from ...data.loader import Handle
 from ...messages import ArraysStep, LoaderStep, LrChange, StepMessage
 from ...protocol import RankActor
 from ...topology import Mesh, ModePlan, stages, widest
+from ..dispatch.client import live
 from .inputs import InputSpecs, Specs, array_specs, to_array
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class Modes:
 
     def switch(self, mode: str) -> None:
         """Complete the steps in flight, then put every rank in ``mode`` (built now if its specs are known)."""
-        self.client.drain()
+        live(self.client).drain()
         self.mode = mode
         self.resume()
         self._changed()
@@ -121,11 +122,11 @@ class Modes:
         message; the ranks stay, and ``specs`` are not remembered.
         """
         if not _same(specs, self._rank_specs):
-            self.client.call(RankActor.set_specs, specs[0] or [], specs[1] or [])
+            live(self.client).call(RankActor.set_specs, specs[0] or [], specs[1] or [])
             self._rank_specs, self._rank_mode = specs, None
         if self._rank_mode != mode:
             new = mode not in self.plans
-            self.plans[mode] = ModePlan.merge(self.client.call(RankActor.set_mode, mode))
+            self.plans[mode] = ModePlan.merge(live(self.client).call(RankActor.set_mode, mode))
             self._rank_mode = mode
             self.specs.accept(specs, mode)
             if new:
@@ -149,7 +150,7 @@ class Modes:
         if any((h.loader, h.epoch, h.step) != (first.loader, first.epoch, first.step) for h in handles):
             raise ValueError("the handles of one call must come from the same batch of one loader")
         loader = first.loader
-        loader.bind(self.client, self.data_meshes)
+        loader.bind(live(self.client), self.data_meshes)
         by_key = loader.specs_by_key()
         self.enter(mode, self.specs.for_call([by_key[h.key] for h in handles], mode))
         loader.take(first)

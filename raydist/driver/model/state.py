@@ -24,7 +24,7 @@ import ray
 from ... import checkpoint, weights
 from ...handover import StateMap, Tensor
 from ...protocol import RankActor
-from ..dispatch.client import RankClient
+from ..dispatch.client import RankClient, live
 from .rates import LearningRate
 from .saves import Saves
 
@@ -68,14 +68,14 @@ class ModelState:
         # each rank knows its own tensors: a pipeline stage's are on its ranks only
         meta: dict[str, tuple] = {}
         holders: dict[str, list[int]] = {}
-        for rank, mine in enumerate(self.client.call(RankActor.state_meta, mode)):
+        for rank, mine in enumerate(live(self.client).call(RankActor.state_meta, mode)):
             for name, entry in mine.items():
                 meta.setdefault(name, entry)
                 holders.setdefault(name, []).append(rank)
         return meta, holders
 
     def state_dict(self, mode: str) -> dict[str, np.ndarray]:
-        return _full(dict(enumerate(self.client.call(RankActor.state_dict, mode))))
+        return _full(dict(enumerate(live(self.client).call(RankActor.state_dict, mode))))
 
     def set_state_dict(self, state: dict[str, Any]) -> None:
         meta = self.meta()
@@ -93,12 +93,12 @@ class ModelState:
                     raise TypeError(f"set_state_dict: {name!r} has dtype {array.dtype}, the model's is {dtype}")
                 array = array.astype(dtype)
             full[name] = array
-        self.client.call(RankActor.set_state, ray.put(full))
+        live(self.client).call(RankActor.set_state, ray.put(full))
 
     def take(self, state: StateMap) -> None:
         """Every rank takes its shards of ``state`` from where its pieces lie (`raydist.handover`:
         the ranks fetch them; the driver sends references only)."""
-        self.client.call(RankActor.take_state, state)
+        live(self.client).call(RankActor.take_state, state)
 
     def export(self, path: str, format: str, max_shard_bytes: int, prefix: str = "") -> list[str]:
         """Write the FULL parameters (those under ``prefix``, named without it) to a new directory ``path``
@@ -121,7 +121,7 @@ class ModelState:
         for name, (_, _, layout) in meta.items():
             for ranks in layout.holders().values() if layout is not None else [holders[name]]:
                 asks.setdefault(ranks[0], []).append(name)
-        offers = self.client.call_each(RankActor.export_offer, {r: (names,) for r, names in asks.items()})
+        offers = live(self.client).call_each(RankActor.export_offer, {r: (names,) for r, names in asks.items()})
         pieces: dict[str, dict] = {name: {} for name in meta}
         for offer in offers:
             for name, (piece, ref) in offer.items():
@@ -131,9 +131,9 @@ class ModelState:
         os.makedirs(staged)
         plan: dict[int, list] = {}
         for i, (file, names) in enumerate(files):  # the files in turn over the ranks
-            plan.setdefault(i % self.client.size, []).append((file, names))
+            plan.setdefault(i % live(self.client).size, []).append((file, names))
         try:
-            self.client.call_each(RankActor.write_weights, {
+            live(self.client).call_each(RankActor.write_weights, {
                 rank: (staged, format, mine, {n: state[n] for _, names in mine for n in names}, prefix)
                 for rank, mine in plan.items()})  # fmt: skip
             total = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -163,7 +163,8 @@ class ModelState:
         staged = checkpoint.staging_dir(path)
         ranks = sorted(plan)
         try:
-            written = self.client.call_each(RankActor.save_pieces, {r: (staged, plan[r], background) for r in ranks})
+            asks = {r: (staged, plan[r], background) for r in ranks}
+            written = live(self.client).call_each(RankActor.save_pieces, asks)
         except BaseException:
             checkpoint.remove(staged)  # an incomplete save leaves nothing behind
             raise
@@ -171,13 +172,13 @@ class ModelState:
         for rank, file in zip(ranks, written):
             for name in plan[rank]:
                 files[name][rank] = file
-        manifest = checkpoint.manifest(meta, files, num_workers=self.client.size, learning_rate=self.rates.manifest(),
-                                       trained=trained, **info)  # fmt: skip
+        manifest = checkpoint.manifest(meta, files, num_workers=live(self.client).size,
+                                       learning_rate=self.rates.manifest(), trained=trained, **info)  # fmt: skip
         if not background:
             checkpoint.commit(staged, path, manifest)
             self.saves.saved(trained, path)
             return
-        writes = [self.client.actor(r).saved.remote(staged) for r in ranks]
+        writes = [live(self.client).actor(r).saved.remote(staged) for r in ranks]
         self._saving = threading.Thread(target=self._commit, args=(writes, staged, path, manifest, trained),
                                         name="raydist-save", daemon=True)  # fmt: skip
         self._saving.start()
@@ -215,7 +216,7 @@ class ModelState:
                 f"{path} is a checkpoint of another model: it lacks {missing} and has other shapes for {wrong}"
             )
         self._pending = (path, tensors)
-        self._restore(meta, train_built)
+        self._restore(self._pending, meta, train_built)
         if trained is not None:
             self.saves.loaded(trained, path)
         self.rates.restore(manifest.get("learning_rate") or {})
@@ -227,13 +228,13 @@ class ModelState:
         meta = self.meta()
         self.names = set(meta)
         if self._pending is not None:
-            self._restore(meta, train_built)
+            self._restore(self._pending, meta, train_built)
 
-    def _restore(self, meta: dict, train_built: bool) -> None:
-        path, tensors = self._pending
+    def _restore(self, pending: tuple[str, dict], meta: dict, train_built: bool) -> None:
+        path, tensors = pending
         now = {n: tensors.pop(n) for n in list(tensors) if n in meta}
         if now:
-            self.client.call(RankActor.load_state, path, now)
+            live(self.client).call(RankActor.load_state, path, now)
         if not tensors or not self.has_optimizer or train_built:
             if tensors and self.has_optimizer:
                 log.warning("raydist: %s holds tensors this model does not have; not loaded: %s", path, sorted(tensors))
