@@ -68,7 +68,7 @@ def write_pieces(directory: str, rank: int, pieces: dict[str, np.ndarray]) -> st
     filesystem.create_dir(where, recursive=True)
     name = pieces_file(rank)
     buffer = io.BytesIO()
-    np.savez(buffer, **{_key(k): v for k, v in pieces.items()})
+    np.savez(buffer, **{_key(k): v for k, v in pieces.items()})  # type: ignore[arg-type]  # numpy's stub: allow_pickle
     with filesystem.open_output_stream(posixpath.join(where, name)) as out:
         out.write(buffer.getvalue())
     return name

@@ -165,7 +165,7 @@ def _piece_box(layout: Layout, key: tuple[int, ...], shape: tuple[int, ...]) -> 
 
 def code(array: np.ndarray) -> int:
     """A piece's CRC-32: equal bits, equal codes; any single flipped bit changes it."""
-    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8))
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).data)
 
 
 def half_updated(state: dict[str, tuple[np.ndarray, Any]]) -> str | None:
@@ -200,7 +200,8 @@ def describe(state: dict[str, tuple[np.ndarray, Any]], rank: int, codes: bool = 
 def global_shape(local: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
     """The full tensor's shape from a piece's under ``layout`` (an even split)."""
     shape = list(local)
-    for d, m in enumerate(layout.dims_mapping if layout is not None else ()):
-        if m >= 0:
-            shape[d] *= layout.mesh.shape[m]
+    if layout is not None:
+        for d, m in enumerate(layout.dims_mapping):
+            if m >= 0:
+                shape[d] *= layout.mesh.shape[m]
     return tuple(shape)

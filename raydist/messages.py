@@ -106,7 +106,7 @@ class StepResults:
 
     @classmethod
     def of(cls, per_step: list[list]) -> StepResults:
-        columns = []
+        columns: list[Any] = []  # a value's: None, stacked, or a list by step
         for j in range(len(per_step[0]) if per_step else 0):
             values = [step[j] for step in per_step]
             if values[0] is None:

@@ -8,7 +8,6 @@ Both a group (`raydist.driver.cluster.group.RankGroup`) and the spare pool
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -61,10 +60,15 @@ class GroupConfig:
 DETACHED_NAMESPACE = "raydist"
 
 
-@functools.cache
-def _remote(actor_class: type[Member]):
-    """``actor_class`` as a Ray actor class (with its concurrency groups)."""
-    return ray.remote(concurrency_groups=actor_class.concurrency_groups)(actor_class)
+_REMOTE: dict[type[Member], Any] = {}
+
+
+def _remote(actor_class: type[Member]) -> Any:
+    """``actor_class`` as a Ray actor class (with its concurrency groups), made once."""
+    if actor_class not in _REMOTE:
+        make: Any = ray.remote  # (Ray's stubs know no concurrency_groups)
+        _REMOTE[actor_class] = make(concurrency_groups=actor_class.concurrency_groups)(actor_class)
+    return _REMOTE[actor_class]
 
 
 # a rank's actor is named "<group>-rank-<i>", a spare's "<group>-spare-<n>" (`RankGroup`, `SparePool`)

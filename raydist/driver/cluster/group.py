@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import (
+    PlacementGroup,
     get_current_placement_group,
     placement_group,
     placement_group_table,
@@ -61,7 +62,7 @@ class RankGroup:
         self.places: list[RankPlace] = []
         self.pids: list[int] = []
         self.fixes: list[str] = []  # the Paddle fixes the ranks applied
-        self._pg = None
+        self._pg: PlacementGroup | None = None
         self._owns_pg = False
         self._bundles: list[int] = []
         self.nodes: list[str] = []  # each rank's Ray node id
@@ -122,9 +123,9 @@ class RankGroup:
             missing = cfg.num_workers - len(self._spares)
             self._owns_pg, self._bundles = True, list(range(missing))
             if missing:
-                self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement.placement_strategy,
-                                           lifetime="detached" if cfg.detached else None)  # fmt: skip
-                wait_placed(self._pg, cfg.bundle(), missing, cfg.placement.placement_timeout_s)
+                pg = self._pg = placement_group([cfg.bundle()] * missing, strategy=cfg.placement.placement_strategy,
+                                                lifetime="detached" if cfg.detached else None)  # fmt: skip
+                wait_placed(pg, cfg.bundle(), missing, cfg.placement.placement_timeout_s)
             return
         self._pg, self._owns_pg = current, False
         bundles = placement_group_table(current)["bundles"]
@@ -160,7 +161,7 @@ class RankGroup:
         for rank, (kind, i) in enumerate(order):
             self.actors.append(spares[i] if kind == "spare" else start_actor(
                 cfg, f"{self.prefix}-rank-{rank}", rank, cfg.num_workers,
-                PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)))  # fmt: skip
+                PlacementGroupSchedulingStrategy(self._bundles_of(), placement_group_bundle_index=i)))  # fmt: skip
         self.adopted = [rank for rank, (kind, _) in enumerate(order) if kind == "spare"]
         new = [(rank, k) for rank, k in enumerate(order) if k not in placed]
         placed.update(zip((k for _, k in new), self.gather([self.actors[r].place.remote() for r, _ in new],
@@ -253,7 +254,7 @@ class RankGroup:
                 ray.get(ref)
             except Exception as e:  # noqa: BLE001 - sorted just below
                 if refused(e):
-                    refusals.append(e.cause)
+                    refusals.append(e.cause)  # type: ignore[attr-defined]  # refused(e): it has one
                     continue
             return None  # this rank succeeded, or failed otherwise: the ranks disagree
         return UsageError(refusals[0].message)
@@ -342,8 +343,14 @@ class RankGroup:
         self._on_shutdown.append(callback)
 
     @property
-    def placement_group(self):
+    def placement_group(self) -> PlacementGroup | None:
         """The placement group the ranks are in (None for spares only)."""
+        return self._pg
+
+    def _bundles_of(self) -> PlacementGroup:
+        """The placement group of the ranks that are no spares (placed before they start)."""
+        if self._pg is None:
+            raise RuntimeError("raydist: ranks to start and no placement group for them")
         return self._pg
 
     def let_go(self, why: str) -> None:

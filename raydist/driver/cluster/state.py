@@ -75,7 +75,8 @@ def _max_resources_from_cluster_config() -> dict[str, float] | None:
     this same call)."""
     from ray._private.state import state
 
-    return state.get_max_resources_from_cluster_config()
+    totals = state.get_max_resources_from_cluster_config()
+    return None if totals is None else {k: float(v) for k, v in totals.items()}
 
 
 _READS: dict[str, Callable[[], Any]] = {

@@ -47,8 +47,9 @@ class InputSpecs:
         along the same mesh dim.
         """
         self.mesh, self.label_mesh = mesh, label_mesh
-        self.inputs = self._laid(_moved(self.inputs, mesh), mesh)
-        self.labels = self._laid(_moved(self.labels, label_mesh), label_mesh)
+        inputs, labels = _moved(self.inputs, mesh), _moved(self.labels, label_mesh)
+        self.inputs = None if inputs is None else self._laid(inputs, mesh)
+        self.labels = None if labels is None else self._laid(labels, label_mesh)
 
     def known(self, mode: str) -> bool:
         """Whether ``mode``'s program can be built without a batch."""
@@ -70,7 +71,7 @@ class InputSpecs:
         if mode != "predict" and labels is None:
             labels = self._laid([_named(g, f"label{i}") for i, g in enumerate(given[len(inputs):])],
                                 self.label_mesh)  # fmt: skip
-        specs = inputs + ([] if mode == "predict" else labels)
+        specs = inputs + ([] if mode == "predict" or labels is None else labels)
         if len(given) != len(specs):
             what = "inputs" if mode == "predict" else "inputs and labels"
             raise ValueError(
@@ -81,7 +82,7 @@ class InputSpecs:
             _check_divides(spec, g.shape, self.micro_batches[mode], self.micro_batch_size)
         if not all(s.complete for s in specs):  # dims an input_spec left open
             inputs = [s.resolved(g) for s, g in zip(inputs, given)]
-            if mode != "predict":
+            if mode != "predict" and labels is not None:
                 labels = [s.resolved(g) for s, g in zip(labels, given[len(inputs):])]
         if inputs is self.inputs and labels is self.labels:
             return self.inputs, self.labels  # the same objects: nothing new to tell the ranks
@@ -93,9 +94,9 @@ class InputSpecs:
         if mode != "predict":
             self.labels = specs[1]
 
-    def _laid(self, specs: list[TensorSpec] | None, mesh: Mesh | None) -> list[TensorSpec] | None:
+    def _laid(self, specs: list[TensorSpec], mesh: Mesh | None) -> list[TensorSpec]:
         """Specs without a layout get the default data layout on ``mesh``."""
-        if specs is None or mesh is None:
+        if mesh is None:
             return specs
         shard_dims = self.shard_dims
         if shard_dims == "dp" and "dp" not in mesh.dim_names:  # the default, on a mesh without "dp"
@@ -146,8 +147,13 @@ def _named(spec: TensorSpec, name: str) -> TensorSpec:
     return spec if spec.layout is not None else dataclasses.replace(spec, name=name)
 
 
-def _check_divides(spec: TensorSpec, shape: tuple[int, ...], micro_batches: int, micro_batch_size: int | None) -> None:
+def _check_divides(spec: TensorSpec, given: tuple[int | None, ...], micro_batches: int,
+                   micro_batch_size: int | None) -> None:  # fmt: skip
+    """Refuse a batch of shape ``given`` that the ranks of ``spec``'s layout, or the micro-batches, do not divide."""
     layout = spec.layout
+    if layout is None or None in given:  # laid out and given: both known here
+        return
+    shape = tuple(int(d) for d in given if d is not None)
     for d, m in enumerate(layout.dims_mapping):
         if m >= 0 and shape[d] % layout.mesh.shape[m]:
             raise ValueError(

@@ -73,6 +73,8 @@ class LearningRate:
     def go_to(self, position: Any) -> None:
         """Back to a `position` (a new group of ranks starts from the first value)."""
         if isinstance(position, dict):
+            if self.scheduler is None:
+                raise RuntimeError("a learning-rate schedule's position, for a model without a schedule")
             self.scheduler.set_state_dict(position)
         elif position is not None and position != self.value:
             self.set(position)

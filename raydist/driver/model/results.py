@@ -22,8 +22,8 @@ def combine(plan: ModePlan, mode: str, results: Any) -> Any:
     values = [_value(layout, results, i) for i, layout in enumerate(plan.layouts)]
     if mode == "predict":
         return values[0] if len(values) == 1 else values
-    loss = np.asarray(values[0])
-    loss = float(loss.reshape(-1)[0] if loss.size == 1 else loss.mean())  # gradient merge: the micro-batches' mean
+    first = np.asarray(values[0])
+    loss = float(first.reshape(-1)[0] if first.size == 1 else first.mean())  # gradient merge: the micro-batches' mean
     if len(plan.groups) < 2:
         return loss
     groups, start = [], 1
@@ -33,8 +33,10 @@ def combine(plan: ModePlan, mode: str, results: Any) -> Any:
     return Evaluated(loss, groups)
 
 
-def _value(layout: Layout, results: Any, i: int) -> Any:
+def _value(layout: Layout | None, results: Any, i: int) -> Any:
     """Value ``i`` of a step, whole, from the ranks' pieces."""
+    if layout is None:
+        raise RuntimeError(f"no rank holds value {i} of the step")
     op = layout.reduced_whole
     if op is not None and hasattr(results, "reduced"):
         value = results.reduced(i, layout.reader_tuple, op)

@@ -44,14 +44,14 @@ class RankScheduler(LRScheduler):
     def get_lr(self) -> float:
         return self._replica.get_lr()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict:  # type: ignore[override]  # Paddle's TypedDict: the replica's, whatever it holds
         return self._replica.state_dict()
 
-    def set_state_dict(self, state_dict: dict) -> None:
+    def set_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         self._replica.set_state_dict(state_dict)
         self._send(LrChange("state", (dict(state_dict),)))
 
-    set_dict = set_state_dict
+    set_dict = set_state_dict  # type: ignore[assignment]
 
     def __getattr__(self, name: str) -> Any:  # last_lr, last_epoch, base_lr, ...
         return getattr(self.__dict__["_replica"], name)

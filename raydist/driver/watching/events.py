@@ -30,6 +30,7 @@ metrics' counters (`raydist.driver.watching.metrics`), ``fit``'s ``events.jsonl`
 
 from __future__ import annotations
 
+import builtins
 import collections
 import json
 import logging
@@ -70,7 +71,7 @@ class Events:
         with self._lock:
             return [dict(e) for e in self._events]
 
-    def last(self, n: int) -> list[dict]:
+    def last(self, n: int) -> builtins.list[dict]:  # (`list` here is the method above)
         with self._lock:
             return [dict(e) for e in list(self._events)[-n:]]
 

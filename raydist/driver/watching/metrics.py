@@ -68,7 +68,7 @@ class Recorder:
                 kind, description = METRICS[name]
                 cls = metrics.Counter if kind == "counter" else metrics.Gauge
                 metric = self._metrics[name] = cls(name, description, tag_keys=tuple(sorted(tags)))
-            if METRICS[name][0] == "counter":
+            if isinstance(metric, metrics.Counter):
                 if value > 0:
                     metric.inc(value, tags=tags)
             else:
@@ -123,7 +123,7 @@ class RunMetrics:
         self._pending = [("raydist_loss", loss)] + ([("raydist_learning_rate", lr)] if lr is not None else [])
 
     def on_event(self, event: dict) -> None:
-        updates = [(_COUNTED[event["kind"]], 1)] if event["kind"] in _COUNTED else []
+        updates: list[tuple[str, float]] = [(_COUNTED[event["kind"]], 1)] if event["kind"] in _COUNTED else []
         if event["kind"] == "checkpoint":
             updates.append(("raydist_checkpoint_stall_seconds", event.get("stall_s", 0.0)))
         if updates:

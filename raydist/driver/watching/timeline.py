@@ -33,14 +33,13 @@ def clock_offsets(actors: list) -> list[tuple[int, int]]:
     """Each actor's clock minus the driver's (ns), and the round trip it was read in (ns)."""
     out = []
     for actor in actors:
-        best = None
+        rounds = []
         for _ in range(CLOCK_ROUNDS):
             before = time.monotonic_ns()
-            theirs = ray.get(actor.clock.remote())
+            theirs = int(ray.get(actor.clock.remote()))
             after = time.monotonic_ns()
-            if best is None or after - before < best[1]:
-                best = (theirs - (before + after) // 2, after - before)
-        out.append(best)
+            rounds.append((theirs - (before + after) // 2, after - before))
+        out.append(min(rounds, key=lambda r: r[1]))  # the shortest round trip's
     return out
 
 
