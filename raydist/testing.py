@@ -61,7 +61,12 @@ def transport(dm: DistModel) -> str | None:
 
 def tree(dm: DistModel) -> dict[int, list[int]]:
     """Under ``dispatch="tree"``, the ranks each rank relays a step to."""
-    return dm._client._transport.tree
+    from .driver.dispatch.transport import TreeTransport
+
+    transport = dm._client._transport
+    if not isinstance(transport, TreeTransport):
+        raise ValueError(f"the model's steps go by {dm.dispatch!r}, not by a relay tree")
+    return transport.tree
 
 
 def window(dm: DistModel) -> Window:

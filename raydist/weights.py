@@ -121,7 +121,7 @@ def write_file(path: str, format: str, arrays: dict[str, np.ndarray]) -> None:
     else:
         import paddle
 
-        paddle.save({n: np.ascontiguousarray(a) for n, a in arrays.items()}, temp)
+        paddle.save({n: np.ascontiguousarray(a) for n, a in arrays.items()}, temp)  # type: ignore[arg-type]  # arrays too
     os.replace(temp, path)
 
 

@@ -243,7 +243,8 @@ def _run_once(config: GroupConfig, script: str, source: str, args: Sequence[str]
     status `DRAINING` (the restart is placed on the other nodes: Ray places nothing on a draining one)."""
     num_workers = config.num_workers
     group = RankGroup(config)
-    lock, codes, failed = threading.Lock(), [None] * num_workers, threading.Event()
+    codes: list[int | str | None] = [None] * num_workers  # each rank's exit status, or what ended it
+    lock, failed = threading.Lock(), threading.Event()
     lingered: dict[int, float] = {}  # rank -> seconds its process outlived its script, then killed
 
     def follow(rank: int, actor) -> None:

@@ -52,7 +52,7 @@ class _PaddleBackend(Backend):
     # FLAGS_selected_gpus, as raydist's ranks do (NCCL can use peer links).
     share_cuda_visible_devices = True
 
-    def on_start(self, worker_group, backend_config: PaddleConfig) -> None:
+    def on_start(self, worker_group, backend_config: PaddleConfig) -> None:  # type: ignore[override]  # ours
         use_gpu = bool(worker_group.get_resources_per_worker().get("GPU", 0))
         reports = worker_group.execute(_where)  # in world-rank order
         places = [place for place, _, _ in reports]

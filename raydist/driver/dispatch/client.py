@@ -28,7 +28,7 @@ from ...topology import REDUCTIONS
 from ..cluster.config import call_on
 from ..cluster.group import RankGroup
 from .hangs import Watch
-from .transport import TREE_FROM, open_transport
+from .transport import TREE_FROM, Transport, open_transport
 from .window import Step, Window
 
 log = logging.getLogger("raydist")
@@ -61,7 +61,7 @@ class RankClient:
         # on CPUs (where "auto" is still open), calls to a few ranks, relayed through many
         self._dispatch = dispatch if dispatch != "auto" else ("tree" if len(group) >= TREE_FROM else "calls")
         self.watch = Watch(group, step_timeout)
-        self._transport = None
+        self._transport: Transport | None = None
         self._opening = threading.Lock()
         self._after_first: list[Callable[[], Any]] = []
 
@@ -157,7 +157,7 @@ class RankClient:
                 transport.close()  # a graph stops before its actors do
             self.group.shutdown()
 
-    def _open(self):
+    def _open(self) -> Transport:
         if self._transport is None:
             with self._opening:
                 self.group.check_alive()

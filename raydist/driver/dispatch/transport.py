@@ -38,7 +38,7 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import ray
 
@@ -221,7 +221,10 @@ def during(steps: range) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
-def open_transport(group: RankGroup, max_in_flight: int, dispatch: str, watch: Watch):
+Transport: TypeAlias = "CallTransport | CompiledTransport | TreeTransport"
+
+
+def open_transport(group: RankGroup, max_in_flight: int, dispatch: str, watch: Watch) -> Transport:
     """The step transport for ``group``: ``dispatch`` "tree", "calls", or "compiled" if it can
     be compiled (else calls). ``watch``: how long a step may take before its ranks count as hung.
     """
