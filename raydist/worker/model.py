@@ -36,10 +36,10 @@ class ModelService:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.runner: StaticRunner | EagerRunner | None = None
-        self.schedule: RankSchedule | None = None
+        self._runner: StaticRunner | EagerRunner | None = None  # once built
+        self._schedule: RankSchedule | None = None
         self.collect = False  # whether the driver reads this rank's step results (set per mode)
-        self._thread_device = None
+        self._thread_device: int | None = None
         self._starts: collections.deque = collections.deque(maxlen=100_000)
         self._running: tuple[int, float] | None = None  # (step, since when) running now or waiting for its data
         self.log = StepLog()  # the last steps, for the timeline and the metrics
@@ -54,8 +54,22 @@ class ModelService:
         self._idle.set()
 
     @property
+    def runner(self) -> StaticRunner | EagerRunner:
+        """What runs the built layer's steps (`build` makes it)."""
+        if self._runner is None:
+            raise UsageError(f"rank {self.rank} has built no model yet: the driver calls build first")
+        return self._runner
+
+    @property
+    def schedule(self) -> RankSchedule:
+        """The optimizer's learning-rate schedule on this rank (`build` makes it)."""
+        if self._schedule is None:
+            raise UsageError(f"rank {self.rank} has built no model yet: the driver calls build first")
+        return self._schedule
+
+    @property
     def mode(self) -> str | None:
-        return self.runner.mode if self.runner is not None else None
+        return self._runner.mode if self._runner is not None else None
 
     def build(self, payload: bytes) -> BuildReport:
         """Build the layer and the optimizer; the meshes of the layer's parameters, in order.
@@ -96,11 +110,11 @@ class ModelService:
 
             optimizer = shard_by_strategy(optimizer, strategy, layer.parameters())
         if dynamic:
-            self.runner = EagerRunner(layer, loss, optimizer, metrics)
+            self._runner = EagerRunner(layer, loss, optimizer, metrics)
         else:
-            self.runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
-        self.schedule = RankSchedule(optimizer, static=not dynamic)
-        return BuildReport(meshes, self.schedule.report())
+            self._runner = StaticRunner(layer, loss, optimizer, strategy, metrics)
+        self._schedule = schedule = RankSchedule(optimizer, static=not dynamic)
+        return BuildReport(meshes, schedule.report())
 
     def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
         self.runner.set_specs(inputs, labels)
@@ -141,8 +155,10 @@ class ModelService:
         """The parcel's steps, in order (``data``: the rank's `raydist.worker.data.DataService`):
         this rank's local results of each if the driver reads them, else None. A step that
         fails says which it was (its number), so the driver names it."""
-        results = []
+        results: list[list] = []
         log, clock, mode = self.log, time.monotonic_ns, self.runner.mode  # a message's steps share a mode
+        if mode is None:
+            raise UsageError(f"rank {self.rank} is in no mode: the driver sets one before the steps")
         if mode == "train" and self.mirror is not None:
             self.mirror.message_began(self.trained)
         try:
@@ -152,11 +168,13 @@ class ModelService:
                 try:
                     batch = data.take(message) if isinstance(message, LoaderStep) else None
                     fed = clock() if batch is not None else asked  # a driver batch is there already
-                    results.append(self.step(message, batch))
+                    out = self.step(message, batch)
+                    if out is not None:  # (the driver reads them)
+                        results.append(out)
                     log.add(number, mode, asked, fed, clock())
                     self.next_step = number + 1
                 except Exception as e:
-                    e.raydist_step = number
+                    e.raydist_step = number  # type: ignore[attr-defined]  # the driver names the step
                     raise
         finally:
             self._running = None
@@ -209,7 +227,7 @@ class ModelService:
         (blocked in a collective with a dead peer, say), or before a program exists. A step
         that breaks off fails in a collective; once the program runs its updates last
         (compat.engine, behaviour 8), that is before any of them."""
-        if self.runner is None or not self.runner.modes or not self._idle.wait(wait_s):
+        if self._runner is None or not self._runner.modes or not self._idle.wait(wait_s):
             return [None] * (len(names) + 1)
         state = self.runner.state_dict("all")  # copies: what the driver's references point at
         torn = self.broke_off and not self.runner.updates_last

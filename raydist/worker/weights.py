@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import numpy as np
 import ray
@@ -16,7 +17,7 @@ from .runner import holds_piece, layout_of_tensor
 log = logging.getLogger("raydist")
 
 
-def offer(state: dict[str, tuple[np.ndarray, object]], names: list[str], rank: int) -> dict[str, tuple]:
+def offer(state: dict[str, tuple[np.ndarray, Any]], names: list[str], rank: int) -> dict[str, tuple]:
     """{name: (`raydist.handover.Piece`, reference)}: this rank's pieces of ``names``, put in the object
     store for the ranks that write them (`write`)."""
     pieces = handover.describe({n: state[n] for n in names}, rank, codes=False)
