@@ -70,7 +70,7 @@ def paddle_env(
     return env
 
 
-def executor_flags(use_gpu: bool, environ: Mapping[str, str]) -> dict[str, bool]:
+def executor_flags(use_gpu: bool, environ: Mapping[str, str]) -> dict[str, bool | str | float]:
     """Paddle flags a rank sets once it has imported Paddle, unless ``environ`` (the rank's
     environment: a ``runtime_env``'s ``env_vars``) sets them itself.
 

@@ -28,6 +28,20 @@ class TensorSpec:
     def complete(self) -> bool:
         return None not in self.shape and self.layout is not None
 
+    @property
+    def laid(self) -> Layout:
+        """The layout, once there is one (the ranks' specs have theirs)."""
+        if self.layout is None:
+            raise ValueError(f"{self.name!r} has no layout yet: its mesh is not known")
+        return self.layout
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The shape, once every dim is known (a complete spec's)."""
+        if None in self.shape:
+            raise ValueError(f"{self.name!r} has dims not known yet: {self.shape}")
+        return tuple(int(d) for d in self.shape if d is not None)
+
     def check(self, given: TensorSpec, what: str) -> None:
         """Raise a clear error unless what is ``given`` (an array's or a loader's spec) fits this spec."""
         if np.dtype(given.dtype) != np.dtype(self.dtype):

@@ -42,6 +42,7 @@ import hashlib
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import paddle
 from filelock import FileLock
@@ -76,7 +77,7 @@ UNSUPPORTED = {
 
 _NAME = "raydist_collective"
 _loaded = False
-_native = None  # the custom ops' library, for its C functions
+_native: Any = None  # the custom ops' library (a ctypes.CDLL), for its C functions
 _applied = False
 _p2p = 0  # point-to-point ops rewritten in this process (then steps flush their sends)
 _deferring_p2p = False  # inside a pipeline's _parallel_pir: send/recv are rewritten in its jobs

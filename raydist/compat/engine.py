@@ -182,7 +182,7 @@ def updates_last(program) -> bool:
     first = next((i for i, op in enumerate(ops[:last]) if _updates(op)), None)
     if first is None:
         return True
-    anchor, made, changed = ops[first], set(), set()  # ids of ops that stay after it; of values updates change
+    anchor, made, changed = ops[first], set[int](), set[int]()  # ids: ops that stay after it; values updates change
     for op in ops[first:last + 1]:
         sources = [v for v in op.operands_source() if v is not None and v.initialized()]
         if _updates(op) or any(_made_by(v) in made or v.id in changed for v in sources):
@@ -307,7 +307,7 @@ def local_state(model, mode: str) -> dict[str, tuple]:
         cached = _DIST_ATTRS[engine._mode] = (program, get_dist_attr(program))
     attrs = cached[1]
     to_structured = model._parameter_to_structured_name
-    out = {}
+    out: dict[str, tuple] = {}
     for var, tensor in program.state_dict(mode, paddle.static.global_scope()).items():
         array = np.array(tensor)
         attr = attrs.get(var)

@@ -43,7 +43,7 @@ def apply() -> None:
         return original(dist_tensor, mesh, placements)
 
     reshard.__doc__ = original.__doc__
-    reshard.__wrapped__ = original  # type: ignore[attr-defined]
+    reshard.__wrapped__ = original
     api.reshard = reshard
     dist.reshard = reshard
     _applied = True

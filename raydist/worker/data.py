@@ -17,6 +17,7 @@ names, or positions for tuple rows).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import traceback
@@ -179,6 +180,10 @@ class _ReadThread(threading.Thread):
             self._stopped = True
             self._window.notify_all()
 
+    def _room(self, step: int, prefetch: int) -> bool:
+        """Whether the reader may read ``step`` (at most ``prefetch`` ahead of the model), or must stop."""
+        return self._stopped or step - self._taken < prefetch
+
     def run(self) -> None:
         order = self.order
         try:
@@ -193,7 +198,7 @@ class _ReadThread(threading.Thread):
                 step += len(chunk)
             while step < order.steps:
                 with self._window:
-                    self._window.wait_for(lambda step=step: self._stopped or step - self._taken < order.prefetch)
+                    self._window.wait_for(functools.partial(self._room, step, order.prefetch))
                     if self._stopped:
                         return
                 chunk = next(chunks, None)

@@ -18,6 +18,7 @@ eval mode, so dropout draws nothing) on zeros of the batch's shape.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import paddle
@@ -54,7 +55,7 @@ class EagerRunner(Runner):
     def set_mode(self, mode: str) -> ModePlan:
         if mode not in self._plans:
             specs = self.mode_specs(mode)
-            zeros = [s.layout.local(np.broadcast_to(np.zeros((), s.dtype), s.shape), 0) for s in specs]  # views
+            zeros = [s.laid.local(np.broadcast_to(np.zeros((), s.dtype), s.dims), 0) for s in specs]  # views
             self.layer.eval()
             with paddle.no_grad():
                 groups = self._run(mode, [self._tensor(z, s) for z, s in zip(zeros, specs)])
@@ -76,7 +77,7 @@ class EagerRunner(Runner):
             self.optimizer.clear_grad()
         else:
             with paddle.no_grad():
-                groups = self._run(self.mode, tensors)
+                groups = self._run(self.entered(), tensors)
         if not collect:
             return None
         return [_local(_on_mesh(v, specs)) for g in groups for v in g]
@@ -95,15 +96,15 @@ class EagerRunner(Runner):
 
     def _tensor(self, local: np.ndarray, spec: TensorSpec):
         """This rank's piece of an input as a dist tensor of the global batch."""
-        placed = self._placed.get(spec.layout)
+        placed = self._placed.get(spec.laid)
         if placed is None:  # a ProcessMesh costs more to make than the rest of this together
-            placed = self._placed[spec.layout] = (spec.layout.mesh.to_paddle(), placements(spec.layout))
+            placed = self._placed[spec.laid] = (spec.laid.mesh.to_paddle(), placements(spec.laid))
         return dist.auto_parallel.api.dtensor_from_local(paddle.to_tensor(np.ascontiguousarray(local)), *placed)
 
     def program(self, kind: str, mode: str | None) -> str:
         raise UsageError("a dynamic-mode model (dynamic=True) runs its layer eagerly: it has no programs")
 
-    def _tensors(self, mode: str) -> dict[str, object]:
+    def _tensors(self, mode: str) -> dict[str, Any]:  # paddle Tensors
         """{name: tensor} of the state, named as static state is (``mode``: "param", "opt", "all")."""
         out = {}
         if mode in ("param", "all"):
@@ -172,7 +173,7 @@ def _on_mesh(value, specs: list[TensorSpec]):
     """A fetched value as a dist tensor (a loss or metric computed from plain tensors is replicated)."""
     if value.is_dist():
         return value
-    mesh = specs[0].layout.mesh.to_paddle()
+    mesh = specs[0].laid.mesh.to_paddle()
     return dist.shard_tensor(value, mesh, [dist.Replicate() for _ in mesh.shape])
 
 

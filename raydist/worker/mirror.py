@@ -40,7 +40,9 @@ class Mirror:
     """One rank's copies: made after every ``every``-th train step, kept on its keeper."""
 
     def __init__(self, rank: int, plan: MirrorPlan, trained: int):
-        self.rank, self.plan = rank, plan
+        if not plan.every:
+            raise ValueError("a Mirror needs a plan with copies (plan.every)")
+        self.rank, self.plan, self.every = rank, plan, plan.every
         self._offset = plan.base - trained  # the rank's train steps (since its build) -> the model's index
         self.local: dict[int, Any] = {}  # index -> this rank's own copy
         # where the last ``in_flight`` messages began (the model's train-step index)
@@ -58,7 +60,7 @@ class Mirror:
         if self._pending is None:
             return
         index, future = self._pending
-        every = self.plan.every
+        every = self.every
         if self._offset + trained >= index - index % every + every - 1:  # the step that ends at the next copy
             self._pending = None
             future.result()
@@ -66,7 +68,7 @@ class Mirror:
     def after_step(self, trained: int, state: Any) -> None:
         """After the rank's ``trained``-th train step (since its build): a copy of ``state()`` if it is time."""
         index = self._offset + trained
-        if index % self.plan.every == 0:
+        if index % self.every == 0:
             self.copy(index, state)
 
     def copy(self, index: int, state: Any) -> None:

@@ -36,13 +36,14 @@ class Relay:
         """Pass the message on to the children, then run its steps. ``payload``: the parcel, or
         ``[ref]`` to it in the object store (passed on as a ref, not copied)."""
         parcel = payload if isinstance(payload, Parcel) else None
+        refs = payload if isinstance(payload, list) else []
         if parcel is not None and self.children and parcel.nbytes > INLINE_BYTES:
-            payload = [ray.put(parcel)]  # the ranks below borrow it from this one, not from the driver
+            payload = refs = [ray.put(parcel)]  # the ranks below borrow it from this one, not from the driver
         for child in self.children:
             child.relay.remote(first, payload)  # in order, as every caller's calls to one actor
         relayed = self._record(first)
         try:
-            relayed.results = self.run(parcel if parcel is not None else ray.get(payload[0]))
+            relayed.results = self.run(parcel if parcel is not None else ray.get(refs[0]))
         except BaseException as e:  # noqa: BLE001 - `collect` raises it
             relayed.error = e
         finally:

@@ -23,6 +23,7 @@ from ..compat import disabled_fixes
 from ..compat import engine as compat_engine
 from ..compat import executor as compat_executor
 from ..compat.collectives import flush as flush_sends
+from ..errors import UsageError
 from ..handover import global_shape
 from ..specs import TensorSpec
 from ..strategy import micro_batches
@@ -58,7 +59,7 @@ def _reduce_name(reduce_type) -> str:
 
 def placements(layout: Layout) -> list:
     """Paddle's placements of a layout without partial values (a batch's)."""
-    out = [dist.Replicate() for _ in layout.mesh.shape]
+    out: list = [dist.Replicate() for _ in layout.mesh.shape]
     for tensor_dim, mesh_dim in enumerate(layout.dims_mapping):
         if mesh_dim >= 0:
             out[mesh_dim] = dist.Shard(tensor_dim)
@@ -69,14 +70,14 @@ def paddle_spec(spec: TensorSpec, micro_batches: int = 1) -> DistributedInputSpe
     """Paddle's spec of a GLOBAL input; programs that split batches into
     ``micro_batches`` (gradient merge, pipelines) are built for one micro-batch,
     as Paddle's ``Engine._validate_spec`` does."""
-    mesh = spec.layout.mesh.to_paddle()
-    shape = list(spec.shape)
+    mesh = spec.laid.mesh.to_paddle()
+    shape = list(spec.dims)
     shape[0] //= micro_batches
     # Data takes no gradient, as in Paddle's own specs from a DataLoader: the default (False)
     # differentiates the program through its inputs and labels, which costs each step the
     # gradient ops of the first layer's input and, on a column-parallel one, an all-reduce.
     return DistributedInputSpec(shape, spec.dtype, spec.name, stop_gradient=True, mesh=mesh,
-                                placements=placements(spec.layout))
+                                placements=placements(spec.laid))
 
 
 class Runner:
@@ -92,6 +93,12 @@ class Runner:
         """The modes built (entered) so far."""
         return set(self._plans)
 
+    def entered(self) -> str:
+        """The mode entered last (a step runs in it)."""
+        if self.mode is None:
+            raise UsageError("the rank is in no mode yet: the driver sets one before a step")
+        return self.mode
+
     def set_specs(self, inputs: list[TensorSpec], labels: list[TensorSpec]) -> None:
         """The global specs of inputs and labels (labels may come later, before train/eval)."""
         self.specs = (inputs, labels)
@@ -103,7 +110,7 @@ class Runner:
 
     def local(self, arrays, rank: int) -> list:
         """This rank's pieces of a global batch (views), by the current mode's specs."""
-        return [spec.layout.local(a, rank) for spec, a in zip(self.mode_specs(), arrays)]
+        return [spec.laid.local(a, rank) for spec, a in zip(self.mode_specs(), arrays)]
 
     def set_state(self, full: Values | Callable[[set[str]], Values], rank: int) -> None:
         """Set the named tensors from FULL values; this rank keeps its own shard. ``full``: the
@@ -176,7 +183,7 @@ class StaticRunner(Runner):
 
     def step(self, arrays, collect: bool):
         """Run one step on this rank's local batch; the local results if ``collect``."""
-        mode = self.mode
+        mode = self.entered()
         # static mode for this thread only (steps may run on a Ray thread;
         # paddle.enable_static() does nothing outside the thread that imported Paddle)
         with compat_engine.in_static_mode():
@@ -196,8 +203,8 @@ class StaticRunner(Runner):
         flush_sends()
         if not collect:
             return None
-        outs = iter(outs)
-        return [next(outs) if h else None for h in self._held[mode]]
+        fetched = iter(outs)
+        return [next(fetched) if h else None for h in self._held[mode]]
 
     def program(self, kind: str, mode: str | None) -> str:
         mode = mode or self.mode
@@ -250,7 +257,7 @@ class StaticRunner(Runner):
             dense = core.DenseTensor()
             dense.set(np.array(local, order="C"), place)
             local_state[state[name][0]] = dense
-        program = compat_engine.program(self.engine, "dist_main", self.mode)
+        program = compat_engine.program(self.engine, "dist_main", self.entered())
         program.set_state_dict(local_state, paddle.static.global_scope(), True)
 
 

@@ -17,6 +17,7 @@ import paddle
 from paddle.optimizer.lr import LRScheduler
 
 from ..compat import engine as compat_engine
+from ..errors import UsageError
 from ..messages import LrChange
 
 
@@ -44,12 +45,18 @@ class RankSchedule:
             return cloudpickle.dumps(self.scheduler)
         return float(self._optimizer._learning_rate)
 
+    def _schedule(self) -> LRScheduler:
+        scheduler = self.scheduler
+        if scheduler is None:
+            raise UsageError("the driver steps a learning-rate schedule, and the optimizer has none")
+        return scheduler
+
     def apply(self, changes: tuple[LrChange, ...]) -> None:
         for change in changes:
             if change.kind == "step":
-                self.scheduler.step(*change.args, **change.kwargs)
+                self._schedule().step(*change.args, **change.kwargs)
             elif change.kind == "state":
-                self.scheduler.set_state_dict(change.args[0])
+                self._schedule().set_state_dict(change.args[0])
             elif change.kind == "value" and self._static:
                 self._optimizer._learning_rate = float(change.args[0])
             elif change.kind == "value":  # eager: the rate's tensor is made once, set_lr updates it
