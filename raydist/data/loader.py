@@ -42,7 +42,7 @@ from ..messages import ReadOrder
 from ..options import check_positive_int
 from ..protocol import RankActor
 from ..specs import TensorSpec
-from ..topology import Mesh, data_layout
+from ..topology import Layout, Mesh, data_layout
 from .sources import Field, JoinedSplit, source_of
 
 if TYPE_CHECKING:
@@ -272,8 +272,10 @@ class _View:
 
     meshes: list[Mesh]
     shard_dims: list[str | None]
+    layout: Layout = dataclasses.field(init=False)  # the first mesh's data layout
+    groups: int = dataclasses.field(init=False)  # data-parallel groups
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for mesh, dim in zip(self.meshes, self.shard_dims):
             if dim is not None and dim not in mesh.dim_names:
                 raise ValueError(f"the model's mesh {list(mesh.dim_names)} has no dim {dim!r} to split the data along")
@@ -293,10 +295,10 @@ class _Epoch:
         self.taken = start  # the next step a DistModel call may take
         self.opened = False
 
-    def __iter__(self):
+    def __iter__(self) -> _Epoch:
         return self
 
-    def __next__(self):
+    def __next__(self) -> list[Handle] | dict[str | int, Handle]:  # (a dataset of dicts: by key)
         if self.step >= self.steps:
             raise StopIteration
         step, self.step = self.step, self.step + 1
@@ -351,7 +353,7 @@ def _check_dtype(field: Field) -> None:
         )
 
 
-def _as_mesh(mesh) -> Mesh:
+def _as_mesh(mesh: Any) -> Mesh:
     if isinstance(mesh, Mesh):
         return mesh
     try:
@@ -360,7 +362,7 @@ def _as_mesh(mesh) -> Mesh:
         raise TypeError(f"meshes must be paddle.distributed.ProcessMesh objects, got {type(mesh).__name__}") from None
 
 
-def _dim_name(mesh: Mesh, dim) -> str | None:
+def _dim_name(mesh: Mesh, dim: Any) -> str | None:
     if dim is None or isinstance(dim, str):
         if dim is not None and dim not in mesh.dim_names:
             raise ValueError(f"shard_dims {dim!r} is not a dim of the mesh {list(mesh.dim_names)}")

@@ -45,11 +45,32 @@ if TYPE_CHECKING:
     from ...data import ShardDataloader
     from ..lifecycle.restart import Restored
     from ..model.rates import LearningRate
+    from ..model.schedule import RankScheduler
     from ..watching.events import Events
     from ..watching.metrics import RunMetrics
-    from .model import DistModel
 
 log = logging.getLogger("raydist")
+
+
+class Trainee(Protocol):
+    """What `fit` calls of the model it trains: `raydist.DistModel`'s public methods."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def lr_scheduler(self) -> RankScheduler | None: ...
+
+    def __call__(self, *args: Any) -> Any: ...
+
+    def train(self) -> None: ...
+
+    def evaluate(self, data: Any, steps: int | None = None, callbacks: Any = None) -> dict[str, float]: ...
+
+    def save(self, path: str, position: tuple[int, int] | None = None, record: dict | None = None,
+             background: bool = False) -> None: ...  # fmt: skip
+
+    def load(self, path: str) -> None: ...
 
 
 class Training(Protocol):
@@ -86,7 +107,7 @@ class Training(Protocol):
 
 
 def fit(
-    dm: DistModel,
+    dm: Trainee,
     training: Training,
     loader: ShardDataloader | Any,
     epochs: int = 1,
@@ -264,7 +285,7 @@ class _Sent:
 
 
 class _Run:
-    def __init__(self, dm: DistModel, training: Training, loader: Any, epochs: int, total: int, every: int | None,
+    def __init__(self, dm: Trainee, training: Training, loader: Any, epochs: int, total: int, every: int | None,
                  directory: str | None, eval_loader: Any, eval_every: int | None, keep_last: int | None, pace: Pace,
                  identity: dict[str, Any], user_callbacks: list[Any]) -> None:  # fmt: skip
         self.dm, self.training, self.rates = dm, training, training.rates
@@ -530,7 +551,7 @@ class _CallbackModel:
 class _OptimizerView:
     """``model._optimizer`` for callbacks: its learning rate is the ranks'."""
 
-    def __init__(self, dm: DistModel, rates: LearningRate):
+    def __init__(self, dm: Trainee, rates: LearningRate):
         self._dm, self._rates = dm, rates
 
     @property

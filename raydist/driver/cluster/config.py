@@ -2,7 +2,7 @@
 
 Both a group (`raydist.driver.cluster.group.RankGroup`) and the spare pool
 (`raydist.driver.cluster.spares.SparePool`) start actors here; the hang watch
-(`raydist.driver.dispatch.hangs`) and a group's failure path ask them here whether they live.
+(`raydist.driver.cluster.hangs`) and a group's failure path ask them here whether they live.
 """
 
 from __future__ import annotations

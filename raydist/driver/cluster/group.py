@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import (
@@ -31,11 +30,9 @@ from ...messages import Progress
 from ...protocol import RankActor
 from .config import GroupConfig, ping_all, start_actor
 from .failures import rank_error, refused, steps_failed
+from .hangs import Watch
 from .placement import alive_nodes, wait_placed
 from .state import draining_nodes
-
-if TYPE_CHECKING:
-    from ..dispatch.hangs import Watch
 
 log = logging.getLogger("raydist")
 
@@ -213,7 +210,7 @@ class RankGroup:
           `RankError` naming the rank, the original error as its cause.
           ``ray.get`` of several refs raises as soon as one failed, so this
           never waits on a rank blocked because a peer failed.
-        - A rank hung for longer than ``watch`` allows (`raydist.driver.dispatch.hangs`):
+        - A rank hung for longer than ``watch`` allows (`raydist.driver.cluster.hangs`):
           `RankError` naming it; torn down.
         """
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
@@ -238,7 +235,6 @@ class RankGroup:
         if not self._started:  # a rank that starts (its process, Paddle's import) answers no ping yet
             return None
         if self._default_watch is None and self.config.dispatch.step_timeout_s is not None:
-            from ..dispatch.hangs import Watch  # dispatch builds on the group: imported when first needed
 
             self._default_watch = Watch(self, self.config.dispatch.step_timeout_s)
         return self._default_watch

@@ -10,7 +10,7 @@ Everything the driver asks of the ranks goes through a `RankClient`:
   one message, through the transport (`raydist.driver.dispatch.transport`);
 - every failure, from either, reaches the caller as `RankError` naming the
   rank (`RankGroup.fail`), the group torn down once; a rank that hangs, as
-  soon as it has hung for a step's limit (`raydist.driver.dispatch.hangs`).
+  soon as it has hung for a step's limit (`raydist.driver.cluster.hangs`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ...messages import Parcel, StepMessage
 from ...topology import REDUCTIONS
 from ..cluster.config import call_on
 from ..cluster.group import RankGroup
-from .hangs import Watch
+from ..cluster.hangs import Watch
 from .transport import TREE_FROM, Transport, open_transport
 from .window import Step, Window
 

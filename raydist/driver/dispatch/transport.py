@@ -26,7 +26,7 @@ switch), so it is serialized once:
   over the ranks, so reading it does not grow with them either). The default
   on CPUs from `TREE_FROM` ranks.
 
-All three wait for a message through the group's `raydist.driver.dispatch.hangs.Watch`,
+All three wait for a message through the group's `raydist.driver.cluster.hangs.Watch`,
 which finds a hung rank within a step's limit whatever the message's size, and
 hand every failure to `RankGroup.fail`: the caller sees `RankError` naming the
 rank, and the group is torn down.
@@ -44,7 +44,7 @@ import ray
 
 from ...errors import RankError
 from ...messages import INLINE_BYTES, Parcel, RankAnswers, StepResults, pack, unpack
-from .hangs import Watch
+from ..cluster.hangs import Watch
 
 if TYPE_CHECKING:
     from ..cluster.group import RankGroup

@@ -16,13 +16,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from ...errors import RankError
 from ...messages import Progress
-from ..cluster.config import NO_ANSWER, ping_all
-
-if TYPE_CHECKING:
-    from ..cluster.group import RankGroup
+from .config import NO_ANSWER, ping_all
 
 T = TypeVar("T")
 
@@ -37,11 +35,21 @@ PING_S = 2.0
 LOOK_MIN_S, LOOK_MAX_S = 0.5, 2.5
 
 
+class Watched(Protocol):
+    """What a `Watch` asks of the group it watches (`raydist.driver.cluster.group.RankGroup`)."""
+
+    actors: list[Any]
+
+    def timed_out(self, stuck: list[int], during: str, why: str) -> RankError:
+        """Tear the group down after ranks ``stuck`` hung (``why``: how): the error to raise."""
+        ...
+
+
 class Watch:
     """The limit on a step of ``group``'s ranks (``step_timeout`` + `REPORT_GRACE_S`; None: none), and
     on a rank's silence (``step_timeout``). ``clock``: seconds, monotonic (tests give a fake one)."""
 
-    def __init__(self, group: RankGroup, step_timeout: float | None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, group: Watched, step_timeout: float | None, clock: Callable[[], float] = time.monotonic):
         self.group = group
         self._clock = clock
         self.limit = None if step_timeout is None else step_timeout + REPORT_GRACE_S
