@@ -11,7 +11,7 @@ import pytest
 import raydist
 from raydist import testing
 from models import Reference, assert_close, batches, build, sgd
-from raydist.driver.dispatch import hangs as watch_module
+from raydist.driver.cluster import hangs as watch_module
 from raydist.messages import Progress
 
 STEP_TIMEOUT_S = 3.0

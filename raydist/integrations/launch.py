@@ -37,7 +37,7 @@ from collections.abc import Collection, Sequence
 
 import ray
 
-from ..driver.cluster.config import GroupConfig
+from ..driver.cluster.config import GroupConfig, call_each_on, call_on
 from ..driver.cluster.connect import init_ray
 from ..driver.cluster.group import RankGroup
 from ..driver.lifecycle.detached import Holder
@@ -250,7 +250,7 @@ def _run_once(config: GroupConfig, script: str, source: str, args: Sequence[str]
     def follow(rank: int, actor) -> None:
         try:
             while codes[rank] is None:
-                for kind, value in ray.get(actor.output.remote()):
+                for kind, value in ray.get(call_on([actor], ScriptActor.output)[0]):
                     if kind == "exit":
                         codes[rank] = value
                     elif kind == "lingered":
@@ -277,9 +277,9 @@ def _run_once(config: GroupConfig, script: str, source: str, args: Sequence[str]
     # Paddle's launcher also names the pod; DistModel then joins the group via fleet.init
     pod = {"POD_NAME": uuid.uuid4().hex[:6]}
     card = {"kind": "script", "script": os.path.basename(script), "holder": str(Holder.here()), "restarts": restart}
-    for actor, rank_env in zip(group.actors, group.envs):
-        actor.describe.remote(card)
-        actor.start.remote({**given, **rank_env, **pod}, os.path.abspath(script), source, list(args), cwd)
+    group.tell(Member.describe, card)
+    call_each_on(group.actors, ScriptActor.start, [({**given, **rank_env, **pod}, os.path.abspath(script), source,
+                                                    list(args), cwd) for rank_env in group.envs])  # fmt: skip
     threads = [threading.Thread(target=follow, args=(r, a), daemon=True) for r, a in enumerate(group.actors)]
     for t in threads:
         t.start()

@@ -523,9 +523,10 @@ class DistModel:
     def ranks(self) -> list[RankStatus]:
         """This model's ranks as each reports itself now, in rank order: pid, node, device, mode,
         the steps it ran, peak memory (`raydist.RankStatus`). A `RankError` if one does not answer."""
-        client = self._client
-        group = client.group
-        reports = group.gather([a.status.remote() for a in group.actors], "status")
+        from ...protocol import RankActor
+
+        group = self._client.group
+        reports = group.call(RankActor.status)
         hold = self._life.hold
         return [rank_status(r, group.prefix, detached=hold is not None,
                             held_by=str(hold.holder) if hold is not None else None) for r in reports]  # fmt: skip

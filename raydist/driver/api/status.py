@@ -21,7 +21,8 @@ from typing import Any
 
 import ray
 
-from ..cluster.config import DETACHED_NAMESPACE, RANK_NAME
+from ...protocol import Member
+from ..cluster.config import DETACHED_NAMESPACE, RANK_NAME, call_on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,7 @@ def _survey(timeout_s: float) -> tuple[list[RankStatus], dict[str, dict[str, Any
             continue
         try:
             actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
-            ref = actor.status.remote()
+            [ref] = call_on([actor], Member.status)
         except (ValueError, AttributeError):  # gone meanwhile; or somebody else's actor with a name like ours
             continue
         refs.append((match["group"], "rank" in entry["name"][len(match["group"]):], int(match["rank"]), ref))

@@ -100,14 +100,14 @@ def start_actor(cfg: GroupConfig, name: str, rank: int, world_size: int, schedul
         runtime_env=None if cfg.placement.runtime_env is None else dict(cfg.placement.runtime_env),
     ).remote(rank, world_size)
     if issubclass(cfg.actor_class, RankActor) and not cfg.use_gpu:
-        actor.warm_up.remote(not cfg.paddle_logs, cfg.preload)
+        call_on([actor], RankActor.warm_up, not cfg.paddle_logs, cfg.preload)
     return actor
 
 
 def ping_all(actors: Sequence, timeout: float) -> list:
     """Each actor's `Member.ping` answer within ``timeout``: its value, the `RayActorError` of a
     dead actor, or `NO_ANSWER`."""
-    pings = [a.ping.remote() for a in actors]
+    pings = call_on(actors, Member.ping)
     ready = set(ray.wait(pings, num_returns=len(pings), timeout=timeout)[0])
     answers = []
     for ref in pings:
@@ -121,10 +121,20 @@ def ping_all(actors: Sequence, timeout: float) -> list:
 NO_ANSWER = object()
 
 
-def call_on(actors: list, method, *args: Any, num_returns: int | None = None) -> list:
-    """``method`` (an actor class's function, e.g. ``RankActor.state_meta``) called on every actor: refs
-    (``num_returns``: a list of that many per actor)."""
+# A rank's endpoint: a method of `raydist.protocol.RankActor` or `Member` (e.g. ``RankActor.state_meta``),
+# called by name on the rank actors. Any: Ray types a method under ``@ray.method`` as remote-only.
+Endpoint = Any
+
+
+def call_on(actors: Sequence[Any], method: Endpoint, *args: Any, num_returns: int | None = None) -> list:
+    """``method`` called on every actor of ``actors``: refs (``num_returns``: a list of that many per
+    actor). The one place the driver calls a rank actor; `RankGroup.call` waits for the refs."""
     name = method.__name__
     if num_returns is None:
         return [getattr(a, name).remote(*args) for a in actors]
     return [getattr(a, name).options(num_returns=num_returns).remote(*args) for a in actors]
+
+
+def call_each_on(actors: Sequence[Any], method: Endpoint, args: Sequence[tuple]) -> list:
+    """``method`` called on each actor of ``actors`` with its own ``args``: refs."""
+    return [getattr(a, method.__name__).remote(*a_args) for a, a_args in zip(actors, args)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import ray
 from ray.util.placement_group import (
@@ -27,8 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ...env import RankPlace, paddle_env
 from ...errors import GroupShutdownError, RankError, RankFailed, UsageError
 from ...messages import Progress
-from ...protocol import RankActor
-from .config import GroupConfig, ping_all, start_actor
+from ...protocol import Member, RankActor
+from .config import Endpoint, GroupConfig, call_each_on, call_on, ping_all, start_actor
 from .failures import rank_error, refused, steps_failed
 from .hangs import Watch
 from .placement import alive_nodes, wait_placed
@@ -106,7 +107,7 @@ class RankGroup:
         self._bundles = list(range(len(actors)))
         self.prefix = self.config.name or ""
         self._alive = self._started = True
-        placed = self.gather([a.place.remote() for a in self.actors], "attach")
+        placed = self.call(Member.place, during="attach")
         self.places = [p for p, _ in placed]
         self.pids = [pid for _, pid in placed]
         self.nodes = [p.node_id for p in self.places]
@@ -145,7 +146,7 @@ class RankGroup:
         nodes, placed = {}, {}  # ("spare", index) or ("bundle", index) -> node, and -> (place, pid)
         if self._spares:
             placed = dict(zip((("spare", i) for i in range(len(self._spares))),
-                              self.gather([a.place.remote() for a in self._spares], "placement")))  # fmt: skip
+                              self.gather(call_on(self._spares, Member.place), "placement")))  # fmt: skip
             nodes.update({k: p.node_id for k, (p, _) in placed.items()})
         if self._bundles:
             bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
@@ -161,28 +162,27 @@ class RankGroup:
                 PlacementGroupSchedulingStrategy(self._bundles_of(), placement_group_bundle_index=i)))  # fmt: skip
         self.adopted = [rank for rank, (kind, _) in enumerate(order) if kind == "spare"]
         new = [(rank, k) for rank, k in enumerate(order) if k not in placed]
-        placed.update(zip((k for _, k in new), self.gather([self.actors[r].place.remote() for r, _ in new],
-                                                           "placement", [r for r, _ in new])))  # fmt: skip
+        placed.update(zip((k for _, k in new), self.call(Member.place, ranks=[r for r, _ in new],
+                                                         during="placement")))  # fmt: skip
         self.places = [placed[k][0] for k in order]
         self.pids = [placed[k][1] for k in order]
 
     def _rendezvous(self, port: int | None) -> None:
-        rank0 = self.actors[0]
-        if port is not None and not self.gather([rank0.port_is_free.remote(port)], "rendezvous", ranks=[0])[0]:
+        if port is not None and not self.call(Member.port_is_free, port, ranks=[0], during="rendezvous")[0]:
             log.warning("master port %s is taken on rank 0's node; using a free one", port)
             port = None
         if port is None:
-            port = self.gather([rank0.free_port.remote()], "rendezvous", ranks=[0])[0]
-        own_ports = self.gather([a.free_port.remote() for a in self.actors], "rendezvous")
+            port = self.call(Member.free_port, ranks=[0], during="rendezvous")[0]
+        own_ports = self.call(Member.free_port, during="rendezvous")
         endpoints = [f"{p.node_ip}:{q}" for p, q in zip(self.places, own_ports)]
         master = f"{self.places[0].node_ip}:{port}"
         cfg = self.config
         self.envs = [paddle_env(r, self.places, endpoints, master, use_gpu=cfg.use_gpu, paddle_logs=cfg.paddle_logs)
                      for r in range(len(self))]  # fmt: skip
         if issubclass(cfg.actor_class, RankActor):
-            setups = [a.setup.remote(env, cfg.use_gpu, cfg.dispatch.step_timeout_s, self.prefix)
-                      for a, env in zip(self.actors, self.envs)]  # fmt: skip
-            self.fixes = self.gather(setups, "setup")[0]
+            timeout = cfg.dispatch.step_timeout_s
+            setups = {r: (env, cfg.use_gpu, timeout, self.prefix) for r, env in enumerate(self.envs)}
+            self.fixes = self.call_each(RankActor.setup, setups, during="setup")[0]
 
     # -- results and failures ------------------------------------------------------
 
@@ -196,6 +196,25 @@ class RankGroup:
     def check_alive(self) -> None:
         if not self._alive:
             raise GroupShutdownError(self._why)
+
+    def call(self, method: Endpoint, *args: Any, ranks: Sequence[int] | None = None, during: str | None = None,
+             watch: Watch | None = None, num_returns: int | None = None) -> list:
+        """``method`` (a `RankActor` or `Member` function, e.g. ``RankActor.state_meta``) on every
+        rank, or ``ranks``, with ``args``: each rank's result, in order, waited for as `gather` waits
+        (``during``: what the ranks were doing, for the error; default the method's name)."""
+        ranks = list(range(len(self.actors))) if ranks is None else list(ranks)
+        refs = call_on([self.actors[r] for r in ranks], method, *args, num_returns=num_returns)
+        return self.gather(refs, during or method.__name__, ranks, watch=watch)
+
+    def call_each(self, method: Endpoint, args: dict[int, tuple], during: str | None = None,
+                  watch: Watch | None = None) -> list:  # fmt: skip
+        """``method`` on the ranks of ``args``, each with its own arguments: their results, as `call`."""
+        refs = call_each_on([self.actors[r] for r in args], method, list(args.values()))
+        return self.gather(refs, during or method.__name__, list(args), watch=watch)
+
+    def tell(self, method: Endpoint, *args: Any, ranks: Sequence[int] | None = None) -> None:
+        """``method`` on every rank, or ``ranks``, without waiting: its failures reach the calls after."""
+        call_on([self.actors[r] for r in (range(len(self.actors)) if ranks is None else ranks)], method, *args)
 
     def gather(self, refs: Sequence, during: str, ranks: Sequence[int] | None = None,
                watch: Watch | None = None, steps: range | None = None, later: Sequence[Sequence] = ()) -> list:

@@ -25,7 +25,7 @@ import numpy as np
 from ...errors import GroupShutdownError
 from ...messages import Parcel, StepMessage
 from ...topology import REDUCTIONS
-from ..cluster.config import call_on
+from ..cluster.config import Endpoint
 from ..cluster.group import RankGroup
 from ..cluster.hangs import Watch
 from .transport import TREE_FROM, Transport, open_transport
@@ -33,9 +33,6 @@ from .window import Step, Window
 
 log = logging.getLogger("raydist")
 
-# A rank's endpoint: a method of `raydist.protocol.RankActor` (e.g. ``RankActor.state_meta``), called by
-# name on the rank actors. Any: Ray types a method under ``@ray.method`` as remote-only, not as a function.
-Endpoint = Any
 
 
 def live(client: RankClient | None) -> RankClient:
@@ -96,21 +93,18 @@ class RankClient:
         """``method``'s results from every rank (or ``ranks``), in order, once every step in flight is done."""
         self.window.drain()
         self.group.check_alive()
-        ranks = list(range(self.size)) if ranks is None else list(ranks)
-        refs = call_on([self.group.actors[r] for r in ranks], method, *args, **kwargs)
-        return self.group.gather(refs, method.__name__, ranks, watch=self.watch)
+        return self.group.call(method, *args, ranks=ranks, watch=self.watch, **kwargs)
 
     def call_each(self, method: Endpoint, args: dict[int, tuple]) -> list[Any]:
         """``method``'s results from the ranks of ``args``, each called with its own arguments."""
         self.window.drain()
         self.group.check_alive()
-        refs = [getattr(self.group.actors[r], method.__name__).remote(*a) for r, a in args.items()]
-        return self.group.gather(refs, method.__name__, list(args), watch=self.watch)
+        return self.group.call_each(method, args, watch=self.watch)
 
     def tell(self, rank: int, method: Endpoint, *args: Any, **kwargs: Any) -> None:
         """Call ``method`` on ``rank`` without waiting; its failures reach the steps that need it."""
         self.group.check_alive()
-        call_on([self.group.actors[rank]], method, *args, **kwargs)
+        self.group.tell(method, *args, ranks=[rank], **kwargs)
 
     def step(self, message: StepMessage, finish: Callable[[list], Any]) -> Step:
         """Add one step; ``finish`` turns the ranks' results into the step's (on completion)."""

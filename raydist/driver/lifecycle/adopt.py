@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import checkpoint
 from ...errors import RankError
+from ...protocol import RankActor
 from ..cluster.group import RankGroup
 from .parts import LifeParts
 
@@ -31,7 +32,7 @@ class Adoption(LifeParts):
         self.meshes = meshes
         try:
             group = RankGroup(self.config, adopt=(actors, pg))
-            stands = group.gather([a.reattach.remote() for a in group.actors], "attach")
+            stands = group.call(RankActor.reattach, during="attach")
         except RankError as e:
             return self._start_over(f"a rank is gone ({str(e).splitlines()[0]})")
         if len({s.trained for s in stands}) > 1 or any(s.broke_off for s in stands):

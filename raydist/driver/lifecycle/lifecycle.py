@@ -26,7 +26,7 @@ import ray
 
 from ...errors import RankError, ReplicaMismatchError
 from ...messages import MirrorPlan
-from ...protocol import RankActor
+from ...protocol import Member, RankActor
 from ..cluster.config import GroupConfig
 from ..cluster.group import RankGroup
 from ..cluster.sizes import Sizes, size_now
@@ -162,7 +162,7 @@ class Lifecycle(Restarting, Moves, Adoption):
                               avoid=set(draining), in_flight=self.config.dispatch.max_in_flight)  # fmt: skip
         elif check:
             plan = MirrorPlan(None, 0, base, check_every=check)
-            group.gather([a.mirror.remote(plan) for a in group.actors], "the replica check")
+            group.call(RankActor.mirror, plan, during="the replica check")
         if self.replicas is not None:
             self.replicas.started(group.actors, base, renumbered=forget)
 
@@ -219,8 +219,7 @@ class Lifecycle(Restarting, Moves, Adoption):
         card = {"kind": "model", "holder": str(self.hold.holder if self.hold is not None else self.driver),
                 "sizes": [self.sizes.min, self.sizes.max], "last_checkpoint": self.state.last_checkpoint,
                 "events": self.events.last(3)}  # fmt: skip
-        for actor in group.actors:
-            actor.describe.remote(card)
+        group.tell(Member.describe, card)
         if self.hold is not None and self.snapshot is not None:
             self.hold.publish(self.snapshot(), group.actors, group.placement_group)
 

@@ -116,8 +116,8 @@ class PeerMemory:
         if forget:
             self.local = {}
             ray.get([k.forget.remote(self.generation) for k in self._keepers.values()])
-        group.gather([a.mirror.remote(plan, base if copy_now else None) for a, plan in zip(group.actors, plans)],
-                     "peer memory")  # fmt: skip
+        group.call_each(RankActor.mirror, {r: (plan, base if copy_now else None) for r, plan in enumerate(plans)},
+                        during="peer memory")  # fmt: skip
 
     def _keeper(self, node: str) -> Any:
         keeper = self._keepers.get(node)

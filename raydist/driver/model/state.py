@@ -24,6 +24,7 @@ import ray
 from ... import checkpoint, weights
 from ...handover import StateMap, Tensor
 from ...protocol import RankActor
+from ..cluster.config import call_on
 from ..dispatch.client import RankClient, live
 from .rates import LearningRate
 from .saves import Saves
@@ -178,7 +179,7 @@ class ModelState:
             checkpoint.commit(staged, path, manifest)
             self.saves.saved(trained, path)
             return
-        writes = [live(self.client).actor(r).saved.remote(staged) for r in ranks]
+        writes = call_on([live(self.client).actor(r) for r in ranks], RankActor.saved, staged)  # waited for in _commit
         self._saving = threading.Thread(target=self._commit, args=(writes, staged, path, manifest, trained),
                                         name="raydist-save", daemon=True)  # fmt: skip
         self._saving.start()

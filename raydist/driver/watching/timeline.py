@@ -26,6 +26,9 @@ from typing import Any
 
 import ray
 
+from ...protocol import RankActor
+from ..cluster.config import call_on
+
 CLOCK_ROUNDS = 7
 
 
@@ -36,7 +39,7 @@ def clock_offsets(actors: list) -> list[tuple[int, int]]:
         rounds = []
         for _ in range(CLOCK_ROUNDS):
             before = time.monotonic_ns()
-            theirs = int(ray.get(actor.clock.remote()))
+            theirs = int(ray.get(call_on([actor], RankActor.clock)[0]))
             after = time.monotonic_ns()
             rounds.append((theirs - (before + after) // 2, after - before))
         out.append(min(rounds, key=lambda r: r[1]))  # the shortest round trip's
@@ -50,7 +53,7 @@ def timeline(client: Any, model: str, path: str, steps: int | None = None) -> di
     client.drain()  # the steps sent so far are done, and on the timeline
     group = client.group
     group.check_alive()
-    reports = group.gather([a.steps.remote(steps) for a in group.actors], "timeline")
+    reports = group.call(RankActor.steps, steps, during="timeline")
     offsets = clock_offsets(group.actors)
     trace = build_trace(model, reports, offsets, list(client.window.log))
     with open(path, "w", encoding="utf-8") as f:
