@@ -56,3 +56,41 @@ def test_to_static_takes_every_keyword_distmodel_takes_with_the_same_defaults():
              if n != "self"}  # fmt: skip
     made = {n: p.default for n, p in inspect.signature(raydist.to_static).parameters.items()}
     assert made == model
+
+
+# Where the driver may call an actor (`.remote(`): the one function that calls a rank actor
+# (`call_on`, beside starting one), the transports that send steps, and the small client of each
+# other actor. Anywhere else a rank call is `RankGroup.call`/`tell` or `RankClient`'s.
+REMOTE_CALLS = {
+    "raydist/driver/cluster/config.py": {"call_on", "call_each_on", "start_actor", "_remote"},
+    "raydist/driver/dispatch/transport.py": {"CallTransport", "TreeTransport"},
+    "raydist/driver/lifecycle/peers.py": {"KeeperClient", "PeerMemory._keeper"},
+    "raydist/driver/lifecycle/detached.py": {"RecordClient", "Hold.create", "_record_class"},
+    "raydist/driver/cluster/state.py": {"ReaderClient", "_reader_class"},
+    "raydist/driver/watching/metrics.py": {"RelayClient", "_relay_class"},
+    "raydist/testing.py": {"on_ranks"},  # for tests: a function run in each rank's process
+}
+
+
+def test_the_driver_calls_actors_only_through_their_clients():
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "raydist").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where.startswith(("raydist/worker/", "raydist/compat/")) or where in ("raydist/protocol.py",
+                                                                                 "raydist/handover.py"):
+            continue  # rank-side code: ranks call keepers and each other
+        tree = ast.parse(path.read_text())
+
+        def visit(node, scope):
+            for child in ast.iter_child_nodes(node):
+                inner = scope + [child.name] if isinstance(child, (ast.FunctionDef, ast.ClassDef)) else scope
+                if isinstance(child, ast.Attribute) and child.attr == "remote":
+                    allowed = REMOTE_CALLS.get(where, set())
+                    if not any(".".join(scope[:i]) in allowed for i in range(1, len(scope) + 1)):
+                        found.append(f"{where}:{child.lineno} in {'.'.join(scope) or 'the module'}")
+                visit(child, inner)
+
+        visit(tree, [])
+    assert not found, found

@@ -156,10 +156,10 @@ def _survey(timeout_s: float) -> tuple[list[RankStatus], dict[str, dict[str, Any
 
 def _holder(name: str) -> str | None:
     """Who holds the detached model ``name`` (None: no live driver, or no record)."""
-    from ..lifecycle.detached import find, holder_of
+    from ..lifecycle.detached import find
 
     try:
-        holder = holder_of(find(name))
+        holder = find(name).live_holder()
     except (LookupError, ray.exceptions.RayError):
         return None
     return None if holder is None else str(holder)

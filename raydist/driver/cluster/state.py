@@ -137,10 +137,10 @@ def _read(what: str) -> Any:
     if not through_client():
         return _READS[what]()
     try:
-        return ray.get(_reader().read.remote(what), timeout=READ_TIMEOUT_S)
+        return _reader().read(what)
     except ray.exceptions.RayActorError:  # its node was lost, say: a new one reads
         _forget_reader()
-        return ray.get(_reader().read.remote(what), timeout=READ_TIMEOUT_S)
+        return _reader().read(what)
 
 
 class Reader:
@@ -150,16 +150,27 @@ class Reader:
         return _READS[what]()
 
 
+class ReaderClient:
+    """A `Reader` actor on the head node, for this driver's connection."""
+
+    def __init__(self) -> None:
+        self.actor = _reader_class().options(num_cpus=0, scheduling_strategy=on_the_head()).remote()
+
+    def read(self, what: str) -> Any:
+        """`_READS`'s ``what``, read on the cluster (within `READ_TIMEOUT_S`)."""
+        return ray.get(self.actor.read.remote(what), timeout=READ_TIMEOUT_S)
+
+
 _lock = threading.Lock()
-_made: tuple[str, Any] | None = None  # (the client connection's job id, its Reader)
+_made: tuple[str, ReaderClient] | None = None  # (the client connection's job id, its reader)
 
 
-def _reader() -> Any:
+def _reader() -> ReaderClient:
     global _made
     job = ray.get_runtime_context().get_job_id()  # a new connection is a new job
     with _lock:
         if _made is None or _made[0] != job:
-            _made = (job, _reader_class().options(num_cpus=0, scheduling_strategy=on_the_head()).remote())
+            _made = (job, ReaderClient())
         return _made[1]
 
 

@@ -161,11 +161,54 @@ class ModelRecord:
         return holder in self._let_go or not self.alive(holder)
 
 
+class RecordClient:
+    """The driver's calls to a detached model's `ModelRecord` actor (``actor``)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def read(self) -> tuple[bytes | None, list, Any, Any]:
+        """(the pickled `Snapshot`, None before the first; the rank actors; their placement group; the rate)."""
+        return ray.get(self.actor.read.remote())
+
+    def claim(self, holder: Holder, take_over: bool) -> tuple[Holder, Holder | None]:
+        """(who holds the model now; the live holder taken over from, or None)."""
+        return ray.get(self.actor.claim.remote(holder, take_over))
+
+    def live_holder(self) -> Holder | None:
+        return ray.get(self.actor.live_holder.remote())
+
+    def silent_for(self, holder: Holder) -> float:
+        return float(ray.get(self.actor.silent_for.remote(holder)))
+
+    def has_let_go(self, holder: Holder) -> bool:
+        return bool(ray.get(self.actor.has_let_go.remote(holder)))
+
+    def beat(self, holder: Holder, timeout: float) -> Any:
+        """``holder`` looks in: who holds the model now ("ended" is not answered: the actor is gone)."""
+        return ray.get(self.actor.beat.remote(holder), timeout=timeout)
+
+    def publish(self, blob: bytes, actors: list, pg: Any) -> None:
+        self.actor.publish.remote(blob, actors, pg)  # no wait: in order with the holder's next calls
+
+    def set_rate(self, position: Any) -> None:
+        self.actor.set_rate.remote(position)
+
+    def let_go(self, holder: Holder) -> None:
+        self.actor.let_go.remote(holder)
+
+    def release(self, holder: Holder) -> None:
+        self.actor.release.remote(holder)
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
 class Hold:
     """This driver's hold on a detached model: publishes its snapshot, watches that it still
     holds it (``on_lost(why)`` once it does not), lets go or ends the record."""
 
-    def __init__(self, name: str, record: Any, holder: Holder):
+    def __init__(self, name: str, record: RecordClient, holder: Holder):
         self.name, self.record, self.holder = name, record, holder
         self.lost = False
         self._stopped = threading.Event()
@@ -176,8 +219,8 @@ class Hold:
         """A new record for a model ``name``; a ValueError if a detached model of that name exists."""
         holder = Holder.here()
         try:
-            record = _record_class().options(name=RECORD_PREFIX + name, namespace=DETACHED_NAMESPACE,
-                                             lifetime="detached", num_cpus=0).remote(holder)  # fmt: skip
+            record = RecordClient(_record_class().options(name=RECORD_PREFIX + name, namespace=DETACHED_NAMESPACE,
+                                                          lifetime="detached", num_cpus=0).remote(holder))  # fmt: skip
         except ValueError:  # the name is taken
             raise ValueError(
                 f"a detached model named {name!r} exists already ({_held_by(find(name))}): attach to it with "
@@ -189,13 +232,13 @@ class Hold:
         from ... import pickling
 
         if not self.lost:
-            self.record.publish.remote(pickling.dumps(snapshot, "the model's record"), actors, pg)
+            self.record.publish(pickling.dumps(snapshot, "the model's record"), actors, pg)
 
     def rate(self, position: Any) -> None:
         """The learning rate's position after a change: the ranks learn of it with the next step, which
         a driver that dies first never sends."""
         if not self.lost:
-            self.record.set_rate.remote(position)
+            self.record.set_rate(position)
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Check every `HOLD_POLL_S` that this driver still holds the model; ``on_lost(why)`` once not."""
@@ -203,7 +246,7 @@ class Hold:
         def run() -> None:
             while not self._stopped.wait(HOLD_POLL_S):
                 try:
-                    now = ray.get(self.record.beat.remote(self.holder), timeout=30)
+                    now = self.record.beat(self.holder, timeout=30)
                 except ray.exceptions.RayActorError:
                     now = "ended"
                 except Exception:  # noqa: BLE001 - Ray is busy or shutting down: look again, or stop
@@ -213,7 +256,7 @@ class Hold:
                     on_lost(f"the detached model {self.name!r} was ended by another driver" if now == "ended"
                             else f"the detached model {self.name!r} was taken over by {now}")  # fmt: skip
                     if now != "ended":
-                        self.record.let_go.remote(self.holder)  # the new holder waits for this
+                        self.record.let_go(self.holder)  # the new holder waits for this
                     return
 
         if self._thread is None:
@@ -225,7 +268,7 @@ class Hold:
         self._stopped.set()
         if not self.lost and ray.is_initialized():
             try:
-                self.record.release.remote(self.holder)
+                self.record.release(self.holder)
             except Exception:  # noqa: BLE001 - Ray is shutting down: the job's death frees the hold as well
                 pass
 
@@ -234,7 +277,7 @@ class Hold:
         self._stopped.set()
         if not self.lost and ray.is_initialized():
             try:
-                ray.kill(self.record, no_restart=True)
+                self.record.kill()
             except Exception:  # noqa: BLE001 - already gone
                 pass
 
@@ -247,10 +290,10 @@ def models() -> list[str]:
                   if entry["namespace"] == DETACHED_NAMESPACE and entry["name"].startswith(RECORD_PREFIX))  # fmt: skip
 
 
-def find(name: str) -> Any:
-    """The record actor of the detached model ``name``; a LookupError listing the models there are."""
+def find(name: str) -> RecordClient:
+    """The record of the detached model ``name``; a LookupError listing the models there are."""
     try:
-        return ray.get_actor(RECORD_PREFIX + name, namespace=DETACHED_NAMESPACE)
+        return RecordClient(ray.get_actor(RECORD_PREFIX + name, namespace=DETACHED_NAMESPACE))
     except ValueError:
         there = models()
         raise LookupError(
@@ -259,13 +302,8 @@ def find(name: str) -> Any:
         ) from None
 
 
-def holder_of(record: Any) -> Holder | None:
-    """Who holds the model now: a live driver, or None."""
-    return ray.get(record.live_holder.remote())
-
-
-def _held_by(record: Any) -> str:
-    holder = holder_of(record)
+def _held_by(record: RecordClient) -> str:
+    holder = record.live_holder()
     return f"held by {holder}" if holder is not None else "held by no live driver"
 
 
@@ -290,41 +328,41 @@ def claim(name: str, take_over: bool = False) -> Claim:
 
     connect_to_cluster(f"attach to the detached model {name!r}")
     record = find(name)
-    if ray.get(record.read.remote())[0] is None:
+    if record.read()[0] is None:
         raise LookupError(f"the detached model {name!r} is still starting: attach once its to_static returned")
     me = Holder.here()
-    now, before = ray.get(record.claim.remote(me, take_over))
+    now, before = record.claim(me, take_over)
     if now != me and now.client and _wait_silent(record, name, now):  # a notebook's kernel restarted, say
-        now, before = ray.get(record.claim.remote(me, take_over))
+        now, before = record.claim(me, take_over)
     if now != me:
         raise ModelHeldError(f"the detached model {name!r} is held by {now}; attach(..., take_over=True) "
                              "takes it over (that driver's next call then fails)")  # fmt: skip
     if before is not None:
         _wait_let_go(record, before)
         log.warning("raydist: took the detached model %r over from %s", name, before)
-    blob, actors, pg, rate = ray.get(record.read.remote())  # as the driver before left it
-    return Claim(Hold(name, record, me), pickling.loads(blob), actors, pg, rate, before)
+    blob, actors, pg, rate = record.read()  # as the driver before left it
+    return Claim(Hold(name, record, me), pickling.loads(blob or b""), actors, pg, rate, before)
 
 
-def _wait_silent(record: Any, name: str, holder: Holder) -> bool:
+def _wait_silent(record: RecordClient, name: str, holder: Holder) -> bool:
     """A Ray Client holder that missed a look-in is likely gone (its job outlives it by Ray's reconnect
     grace): wait until it counts as gone, or looks in again. Whether it is gone."""
-    silent = ray.get(record.silent_for.remote(holder))
+    silent = record.silent_for(holder)
     if silent < 1.5 * HOLD_POLL_S:
         return False
     log.warning("raydist: the detached model %r is held by %s, which has been silent for %.0f s; waiting up to "
                 "%.0f s for it to count as gone", name, holder, silent, CLIENT_HOLD_S - silent)  # fmt: skip
-    while ray.get(record.live_holder.remote()) == holder:
-        if ray.get(record.silent_for.remote(holder)) < silent:  # it looked in: alive after all
+    while record.live_holder() == holder:
+        if record.silent_for(holder) < silent:  # it looked in: alive after all
             return False
         time.sleep(0.5)
     return True
 
 
-def _wait_let_go(record: Any, holder: Holder) -> None:
+def _wait_let_go(record: RecordClient, holder: Holder) -> None:
     """Wait until the driver taken over stops using the ranks (it looks every `HOLD_POLL_S`), or is gone."""
     deadline = time.monotonic() + 3 * HOLD_POLL_S + 5
-    while not ray.get(record.has_let_go.remote(holder)):
+    while not record.has_let_go(holder):
         if time.monotonic() > deadline:
             log.warning("raydist: %s did not let go of the model within %.0f s; going on", holder,
                         3 * HOLD_POLL_S + 5)  # fmt: skip
@@ -342,12 +380,12 @@ def stop(name: str, force: bool = False) -> None:
     placement group and record. A model a live driver holds is refused (`ModelHeldError`) unless
     ``force``: that driver's next call then fails. A LookupError for an unknown name."""
     record = find(name)
-    holder = holder_of(record)
+    holder = record.live_holder()
     if holder is not None and not force:
         raise ModelHeldError(f"the detached model {name!r} is held by {holder}; --force ends it anyway (that "
                              "driver's next call then fails)")  # fmt: skip
-    _, actors, pg, _ = ray.get(record.read.remote())
-    ray.kill(record, no_restart=True)  # first: a holder learns the model ended, and lets go of the ranks
+    _, actors, pg, _ = record.read()
+    record.kill()  # first: a holder learns the model ended, and lets go of the ranks
     kill_named(name, DETACHED_NAMESPACE, actors)
     if pg is not None:
         try:

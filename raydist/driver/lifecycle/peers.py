@@ -93,13 +93,37 @@ def keeper_nodes(rank_nodes: Sequence[str], alive: Sequence[str]) -> list[str]:
     return out
 
 
+class KeeperClient:
+    """The driver's calls to one node's `Keeper`; ``actor``, its handle, goes to the ranks that keep
+    copies with it (`MirrorPlan`) or fetch pieces from it (`raydist.handover.Kept`)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def forget(self, generation: int) -> ray.ObjectRef:
+        """Let the copies of generations before ``generation`` go (a ref to wait for)."""
+        return self.actor.forget.remote(generation)
+
+    def held(self) -> ray.ObjectRef:
+        """A ref to the (generation, rank, index) of every copy it holds."""
+        return self.actor.held.remote()
+
+    def describe(self, key: tuple[int, int, int], timeout: float) -> dict[str, Piece]:
+        """What the copy ``key`` holds (`Keeper.describe`), within ``timeout``."""
+        pieces: dict[str, Piece] = ray.get(self.actor.describe.remote(key), timeout=timeout)
+        return pieces
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
 class PeerMemory:
     """The model's keepers and its generations of copies (one generation per group of ranks)."""
 
     def __init__(self, every: int, prefix: str, detached: bool):
         self.every, self.prefix, self.detached = every, prefix, detached
         self.generation = 0
-        self._keepers: dict[str, Any] = {}  # node id -> keeper
+        self._keepers: dict[str, KeeperClient] = {}  # node id -> its keeper
         self.local: dict[tuple[int, int, int], Holding] = {}  # survivors' own copies, taken after a death
 
     def attach(self, group: RankGroup, base: int, copy_now: bool = False, forget: bool = False,
@@ -111,24 +135,24 @@ class PeerMemory:
         self.generation = max(self.generation + 1, time.time_ns())  # above any earlier driver's
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in avoid]
         targets = keeper_nodes([p.node_id for p in group.places], alive)
-        plans = [MirrorPlan(self.every, self.generation, base, self._keeper(node), check_every, in_flight)
+        plans = [MirrorPlan(self.every, self.generation, base, self._keeper(node).actor, check_every, in_flight)
                  for node in targets]
         if forget:
             self.local = {}
-            ray.get([k.forget.remote(self.generation) for k in self._keepers.values()])
+            ray.get([k.forget(self.generation) for k in self._keepers.values()])
         group.call_each(RankActor.mirror, {r: (plan, base if copy_now else None) for r, plan in enumerate(plans)},
                         during="peer memory")  # fmt: skip
 
-    def _keeper(self, node: str) -> Any:
+    def _keeper(self, node: str) -> KeeperClient:
         keeper = self._keepers.get(node)
         if keeper is None:
             lifetime = {"lifetime": "detached", "namespace": DETACHED_NAMESPACE} if self.detached else {}
-            keeper = ray.remote(Keeper).options(
+            actor = ray.remote(Keeper).options(
                 name=f"{self.prefix}-keeper-{node[:12]}", get_if_exists=True,  # cluster.config.KEEPER_NAME
                 num_cpus=0, max_concurrency=1,  # no CPU: a node whose CPUs the ranks hold still keeps copies
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), **lifetime,
             ).remote()  # fmt: skip
-            self._keepers[node] = keeper
+            keeper = self._keepers[node] = KeeperClient(actor)
         return keeper
 
     def salvage(self, group: RankGroup, wait_s: float) -> None:
@@ -164,7 +188,7 @@ class PeerMemory:
         found: dict[tuple[int, int], dict[int, Any]] = {}
         for (generation, rank, index), state in self.local.items():
             found.setdefault((generation, index), {})[rank] = state
-        asked = {node: k.held.remote() for node, k in self._keepers.items()}
+        asked = {node: k.held() for node, k in self._keepers.items()}
         deadline = time.monotonic() + KEEPER_WAIT_S
         for node, ref in asked.items():
             try:
@@ -185,14 +209,14 @@ class PeerMemory:
         if isinstance(held, Holding):
             return held
         keeper, key = held
-        pieces = ray.get(keeper.describe.remote(key), timeout=KEEPER_WAIT_S)
-        return Holding(key[2], None, pieces, {name: Kept(keeper, tuple(key), name) for name in pieces})
+        pieces = keeper.describe(key, KEEPER_WAIT_S)
+        return Holding(key[2], None, pieces, {name: Kept(keeper.actor, tuple(key), name) for name in pieces})
 
     def shutdown(self) -> None:
         """Stop the keepers (the model ends)."""
         for keeper in self._keepers.values():
             try:
-                ray.kill(keeper, no_restart=True)
+                keeper.kill()
             except Exception:  # noqa: BLE001 - already gone with its node
                 pass
         self._keepers = {}

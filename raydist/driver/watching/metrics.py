@@ -84,6 +84,16 @@ def _relay_class():
     return ray.remote(Relay)
 
 
+class RelayClient:
+    """A `Relay` actor on the head node, called as a `Recorder` is (by a driver through Ray Client)."""
+
+    def __init__(self) -> None:
+        self.actor = _relay_class().options(num_cpus=0, scheduling_strategy=on_the_head()).remote()
+
+    def record(self, updates: list[tuple[str, float]], tags: dict[str, str]) -> None:
+        self.actor.record.remote(updates, tags)  # no wait: the call goes on
+
+
 class RunMetrics:
     """The driver's metrics of one model. `tick` (cheap; from each call) exports the pace every
     `EXPORT_S`; events are counted as they come (`on_event`, an `Events` sink)."""
@@ -94,7 +104,7 @@ class RunMetrics:
         self._next = time.monotonic() + EXPORT_S
         self._last: tuple[float, int, int, int] | None = None  # (when, steps done, messages, send ns)
         self._lock = threading.Lock()
-        self._recorder: Any = None
+        self._recorder: Recorder | RelayClient | None = None
         self._pending: list[tuple[str, float]] = []  # the last loss read, for the next export
         self._outage = Outage("the driver's Ray metrics are not exported", "the driver's Ray metrics are exported")
 
@@ -134,13 +144,9 @@ class RunMetrics:
         try:
             with self._lock:
                 if self._recorder is None:
-                    self._recorder = (_relay_class().options(num_cpus=0, scheduling_strategy=on_the_head()).remote()
-                                      if through_client() else Recorder())  # fmt: skip
+                    self._recorder = RelayClient() if through_client() else Recorder()
                 recorder = self._recorder
-            if isinstance(recorder, Recorder):
-                recorder.record(updates, self.tags)
-            else:
-                recorder.record.remote(updates, self.tags)  # no wait: the call goes on
+            recorder.record(updates, self.tags)
             self._outage.read()
         except Exception as e:  # noqa: BLE001 - metrics never stop a run; said once
             if ray.is_initialized():
