@@ -145,66 +145,63 @@ def fit(
     total = len(loader) * epochs if steps is None else min(steps, len(loader) * epochs)
     if dm.mode != "train":
         dm.train()
-    user_callbacks = list(callbacks or [])
-    run = _Run(dm, training, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader, eval_every,
-               keep_last, Pace(loader.batch_size, flops_per_sample, peak_flops),
-               runs.identity(loader, training.state_meta("param")), user_callbacks)  # fmt: skip
+    identity = runs.identity(loader, training.state_meta("param"))
     training.metrics.batch_size = loader.batch_size
-    if found is not None:
-        assert checkpoint_dir is not None  # found in it
-        _check_same_run(found, run.identity, checkpoint_dir)
+    if found is not None and checkpoint_dir is not None:
+        _check_same_run(found, identity, checkpoint_dir)
         dm.load(found.path)
         if found.finished:
             log.warning("raydist: the run in %s has finished (%d steps); nothing to do", checkpoint_dir, found.steps)
             return found.history
-    run.callbacks = _callbacks(user_callbacks, run, loader, epochs, total)
     sink = JsonLines(checkpoint_dir) if checkpoint_dir else None
     if sink is not None:  # the run's events survive the driver; a resumed run goes on with the same file
         training.events.add_sink(sink)
     try:
-        if found is None and max_failures and checkpoint_dir:
-            run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
-        return _fit(run, training, found, total, progress, max_failures, checkpoint_dir)
+        with tqdm(total=total, unit="step", disable=not progress, desc="fit") as bar:
+            run = _Run(dm, training, loader, epochs, total, checkpoint_every, checkpoint_dir, eval_loader,
+                       eval_every, keep_last, Pace(loader.batch_size, flops_per_sample, peak_flops), identity,
+                       list(callbacks or []), bar)  # fmt: skip
+            if found is None and max_failures and checkpoint_dir:
+                run.checkpoint(epoch=0, step=0)  # a failure before the first checkpoint resumes from here
+            return _fit(run, training, found, max_failures, checkpoint_dir)
     finally:
         if sink is not None:
             training.events.remove_sink(sink)
 
 
-def _fit(run: _Run, training: Training, found: runs.CheckpointInfo | None, total: int, progress: bool,
-         max_failures: int, checkpoint_dir: str | None) -> list[float]:  # fmt: skip
+def _fit(run: _Run, training: Training, found: runs.CheckpointInfo | None, max_failures: int,
+         checkpoint_dir: str | None) -> list[float]:  # fmt: skip
     failures = 0
-    with tqdm(total=total, unit="step", disable=not progress, desc="fit") as bar:
-        run.bar = bar
-        run.callbacks.on_begin("train", {})
-        if found is not None:
-            run.go_on_from(found)
-        run.base = training.trained() - len(run.history)  # the model's count of train steps before this run's first
-        while True:
-            try:
-                run.go()
-                break
-            except _Regrouped:
-                continue
-            except RankError as e:
-                if run.preempted:  # the node of the notice went: expected, checkpointed, not a failure
-                    run.preempted = False
-                    log.warning("raydist: %s; restarting the ranks after the preemption notice", e)
-                else:
-                    failures = _counted(e, failures, max_failures, "restarting the ranks")
-                run.keep_completed()
-                while True:
-                    try:
-                        restored = training.restart()
-                        break
-                    except RankError as again:  # a node lost while the ranks are placed: one more failure
-                        failures = _counted(again, failures, max_failures, "the restart failed; restarting again")
-                if restored.behind is None:
-                    run.rewind(restored.checkpoint)
-                else:
-                    run.go_back(restored.trained - run.base)
-        if checkpoint_dir:
-            run.finish()
-        run.callbacks.on_end("train", run.logs)
+    run.callbacks.on_begin("train", {})
+    if found is not None:
+        run.go_on_from(found)
+    run.base = training.trained() - len(run.history)  # the model's count of train steps before this run's first
+    while True:
+        try:
+            run.go()
+            break
+        except _Regrouped:
+            continue
+        except RankError as e:
+            if run.preempted:  # the node of the notice went: expected, checkpointed, not a failure
+                run.preempted = False
+                log.warning("raydist: %s; restarting the ranks after the preemption notice", e)
+            else:
+                failures = _counted(e, failures, max_failures, "restarting the ranks")
+            run.keep_completed()
+            while True:
+                try:
+                    restored = training.restart()
+                    break
+                except RankError as again:  # a node lost while the ranks are placed: one more failure
+                    failures = _counted(again, failures, max_failures, "the restart failed; restarting again")
+            if restored.behind is None:
+                run.rewind(restored.checkpoint)
+            else:
+                run.go_back(restored.trained - run.base)
+    if checkpoint_dir:
+        run.finish()
+    run.callbacks.on_end("train", run.logs)
     return run.history
 
 
@@ -287,7 +284,7 @@ class _Sent:
 class _Run:
     def __init__(self, dm: Trainee, training: Training, loader: Any, epochs: int, total: int, every: int | None,
                  directory: str | None, eval_loader: Any, eval_every: int | None, keep_last: int | None, pace: Pace,
-                 identity: dict[str, Any], user_callbacks: list[Any]) -> None:  # fmt: skip
+                 identity: dict[str, Any], user_callbacks: list[Any], bar: Any) -> None:  # fmt: skip
         self.dm, self.training, self.rates = dm, training, training.rates
         self.loader, self.epochs, self.total = loader, epochs, total
         self.every, self.directory = every, directory
@@ -298,8 +295,7 @@ class _Run:
         self.ended = -1  # the last epoch whose end (evaluation, schedule, callbacks) was done
         self.pending: collections.deque[_Sent] = collections.deque()  # sent, loss not yet collected
         self.stood_still = False  # whether a save or an evaluation ran since the last step
-        self.bar: Any = None  # the progress bar (tqdm), while `_fit` runs
-        self.callbacks: Any = None  # Paddle's CallbackList, which sees this run (`_callbacks`)
+        self.bar = bar  # the progress bar (tqdm)
         self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
         self.stop_training = False  # set by callbacks (EarlyStopping), through the model they see
         self.logs: dict[str, Any] = {}
@@ -310,6 +306,7 @@ class _Run:
         self.pace = pace
         self.saving: str | None = None  # the last checkpoint this run began to save
         self.base = 0  # the model's train steps before this run's first (its history counts from there)
+        self.callbacks = _callbacks(user_callbacks, self, loader, epochs, total)  # Paddle's, seeing this run
 
     def go_on_from(self, found: runs.CheckpointInfo) -> None:
         """Where a checkpoint of this run left it (the model was loaded from it)."""

@@ -29,8 +29,9 @@ from ...strategy import micro_batch_size, micro_batches
 from ...weights import Weights
 from ..cluster.config import GroupConfig
 from ..cluster.connect import init_ray, ray_started_here
-from ..dispatch.client import RankClient, live
+from ..dispatch.client import LiveGroup, RankClient, live
 from ..lifecycle.lifecycle import Lifecycle
+from ..model.changes import Changes
 from ..model.inputs import InputSpecs, leaves
 from ..model.modes import MODES, Modes
 from ..model.rates import LearningRate
@@ -41,6 +42,7 @@ from .loss import Loss
 from .status import RankStatus, rank_status
 
 if TYPE_CHECKING:
+    from ..lifecycle.detached import Claim, Hold
     from ..model.schedule import RankScheduler
 
 log = logging.getLogger("raydist")
@@ -187,7 +189,7 @@ class DistModel:
                              paddle_logs, preload=("ray.data",) if shard_loader is not None else (),
                              detached=detached)  # fmt: skip
         init_ray(sizes.max, placement.resources_per_rank, use_gpu)
-        self._wire(config, sizes, payload, metrics or [], specs, loss is not None, optimizer is not None)
+        hold = None
         if detached:
             from ..lifecycle.detached import Hold
 
@@ -195,7 +197,8 @@ class DistModel:
                 log.warning("raydist: %r is detached, but this process started the local Ray it runs on, which "
                             "ends with the process: start a cluster (`ray start --head`) for its ranks to outlive "
                             "it", name)  # fmt: skip
-            self._hold_on(Hold.create(str(name)))  # (a detached model has a name: check_arguments)
+            hold = Hold.create(str(name))  # (a detached model has a name: check_arguments)
+        self._wire(config, sizes, payload, metrics or [], specs, loss is not None, optimizer is not None, hold)
         if shard_loader is not None:
             shard_loader.prepare()  # the first epoch's split starts while the ranks do
         try:
@@ -208,46 +211,17 @@ class DistModel:
             shard_loader.bind(self._client, self._modes.data_meshes)
 
     def _wire(self, config: GroupConfig, sizes: Any, payload: bytes, metrics: Sequence[Any], specs: InputSpecs,
-              has_loss: bool, has_optimizer: bool) -> None:  # fmt: skip
-        """The model's parts, wired one way whether it is new (``__init__``) or a detached model's
-        ranks a new driver attaches to (`_attached`, from the record's `Snapshot`)."""
+              has_loss: bool, has_optimizer: bool, hold: Hold | None) -> None:  # fmt: skip
+        """The model's parts, each made whole with the parts it uses, one way whether the model is new
+        (``__init__``) or a detached model's ranks a later driver attaches to (`_Attached`); ``hold``:
+        this driver's hold on a detached model, whose record learns of every change."""
         self._metrics = list(metrics)
-        self._rates = LearningRate()
-        self._state = ModelState(has_optimizer, self._rates)
-        self._modes = Modes(specs, has_loss, has_optimizer, self._state.built)
-        self._life = Lifecycle(config, sizes, payload, self._modes, self._rates, self._state)
-
-    def _hold_on(self, hold: Any) -> None:
-        """This driver holds the detached model: its record learns of every change a later driver needs."""
-        life = self._life
-        life.hold, life.snapshot = hold, self._snapshot
-        self._modes.on_change = self._state.on_change  # publishes (`Lifecycle`)
-        rates = self._rates  # not self: a dropped model is not held in a cycle
-        rates.on_change = lambda: hold.rate(rates.position())
-
-    def _snapshot(self) -> Any:
-        """What a detached model's record keeps for a later driver (`raydist.driver.lifecycle.detached.Snapshot`)."""
-        from ..lifecycle.detached import Snapshot
-
-        life, modes = self._life, self._modes
-        return Snapshot(life.config, life.sizes, life.payload, self._metrics, modes.specs,
-                        modes.has_loss, modes.has_optimizer, modes.mode, self._state.last_checkpoint,
-                        life.meshes)  # fmt: skip
-
-    @classmethod
-    def _attached(cls, hold: Any, snapshot: Any, actors: list, pg: Any, rate: Any, loader: Any) -> DistModel:
-        """The model of a detached group of ranks that runs already (see `raydist.attach`)."""
-        self = cls.__new__(cls)
-        self._wire(snapshot.config, snapshot.sizes, snapshot.payload, snapshot.metrics, snapshot.specs,
-                   snapshot.has_loss, snapshot.has_optimizer)  # fmt: skip
-        self._state.adopt_checkpoint(snapshot.last_checkpoint)
-        self._hold_on(hold)
-        if isinstance(loader, ShardDataloader):
-            loader.prepare()
-        self._life.adopt(actors, pg, snapshot.meshes, snapshot.mode, rate)
-        if isinstance(loader, ShardDataloader):
-            loader.bind(self._client, self._modes.data_meshes)
-        return self
+        group, changes = LiveGroup(), Changes()
+        self._rates = LearningRate(changes)
+        self._state = ModelState(has_optimizer, self._rates, group, changes)
+        self._modes = Modes(specs, has_loss, has_optimizer, self._state.built, group, changes)
+        self._life = Lifecycle(config, sizes, payload, self._metrics, self._modes, self._rates, self._state, group,
+                               changes, hold)  # fmt: skip
 
     @property
     def _client(self) -> RankClient:
@@ -580,6 +554,22 @@ class DistModel:
         self._life.shutdown(drain=exc_type is None)
 
 
+class _Attached(DistModel):
+    """The `DistModel` of a detached model whose ranks run already, in a later driver (`raydist.attach`):
+    made from the record's `raydist.driver.lifecycle.detached.Snapshot`; its ranks are adopted, not built."""
+
+    def __init__(self, held: Claim, loader: Any = None) -> None:  # (DistModel.__init__ starts a new group)
+        snapshot = held.snapshot
+        self._wire(snapshot.config, snapshot.sizes, snapshot.payload, snapshot.metrics, snapshot.specs,
+                   snapshot.has_loss, snapshot.has_optimizer, held.hold)  # fmt: skip
+        self._state.adopt_checkpoint(snapshot.last_checkpoint)
+        if isinstance(loader, ShardDataloader):
+            loader.prepare()
+        self._life.adopt(held.actors, held.pg, snapshot.meshes, snapshot.mode, held.rate)
+        if isinstance(loader, ShardDataloader):
+            loader.bind(self._client, self._modes.data_meshes)
+
+
 def to_static(
     layer: Callable[[], Any],
     loader: Any = None,
@@ -633,7 +623,7 @@ def attach(name: str, loader: Any = None, take_over: bool = False) -> DistModel:
     from ..lifecycle.detached import claim
 
     held = claim(name, take_over)
-    dm = DistModel._attached(held.hold, held.snapshot, held.actors, held.pg, held.rate, loader)
+    dm = _Attached(held, loader)
     life = dm._life
     if held.before is None:
         life.events.emit("attach", life.step(), holder=str(held.hold.holder))

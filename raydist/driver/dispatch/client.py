@@ -35,6 +35,18 @@ log = logging.getLogger("raydist")
 
 
 
+class LiveGroup:
+    """The client of a model's live group of ranks, which a restart, a resize or an attach replaces
+    (`raydist.driver.lifecycle.lifecycle.Lifecycle`): one cell the model's parts are made with."""
+
+    def __init__(self) -> None:
+        self.client: RankClient | None = None
+
+    def get(self) -> RankClient:
+        """The live group's client; a `GroupShutdownError` if there is none."""
+        return live(self.client)
+
+
 def live(client: RankClient | None) -> RankClient:
     """``client``, the live group's; a `GroupShutdownError` if there is none (the model was shut down)."""
     if client is None:

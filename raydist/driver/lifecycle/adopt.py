@@ -38,11 +38,10 @@ class Adoption(LifeParts):
         if len({s.trained for s in stands}) > 1 or any(s.broke_off for s in stands):
             group.shutdown()
             return self._start_over(f"the ranks stand at different train steps {[s.trained for s in stands]}")
-        client = self._took(group, max(s.next_step for s in stands), stands[0].trained)
-        self.modes.adopt(client, meshes, stands[0].built)
+        self._took(group, max(s.next_step for s in stands), stands[0].trained)
+        self.modes.adopt(meshes, stands[0].built)
         self.rates.started(stands[0].learning_rate)
         self.rates.catch_up(rate)
-        self.state.client = client
         if stands[0].built:
             self.state.built("train" in stands[0].built)
         self.modes.mode = mode

@@ -31,7 +31,7 @@ from ..cluster.config import GroupConfig
 from ..cluster.group import RankGroup
 from ..cluster.sizes import Sizes, size_now
 from ..cluster.spares import SparePool
-from ..dispatch.client import RankClient
+from ..dispatch.client import LiveGroup, RankClient
 from ..watching.events import Events
 from ..watching.metrics import RunMetrics
 from .adopt import Adoption
@@ -44,6 +44,7 @@ from .replicas import ReplicaCheck
 from .restart import LifeRebuild, Restarting, Restarts
 
 if TYPE_CHECKING:
+    from ..model.changes import Changes
     from ..model.modes import Modes
     from ..model.rates import LearningRate
     from ..model.state import ModelState
@@ -54,17 +55,22 @@ log = logging.getLogger("raydist")
 class Lifecycle(Restarting, Moves, Adoption):
     """The live group of ranks of one model, and everything that replaces it.
 
-    ``payload``: the pickled builders every new group builds the model from;
-    ``modes``, ``rates``, ``state``: the model's parts that a new group resets and restores.
+    ``payload``: the pickled builders every new group builds the model from (``metrics``: the
+    `paddle.metric.Metric` objects in it, which a detached model's record keeps);
+    ``modes``, ``rates``, ``state``: the model's parts that a new group resets and restores;
+    ``group``: the cell of the live group's client they share; ``changes``: what they say changed;
+    ``hold``: this driver's hold on a detached model (`raydist.driver.lifecycle.detached`), or None.
     """
 
-    def __init__(self, config: GroupConfig, sizes: Sizes, payload: bytes, modes: Modes, rates: LearningRate,
-                 state: ModelState):  # fmt: skip
+    def __init__(self, config: GroupConfig, sizes: Sizes, payload: bytes, metrics: list, modes: Modes,
+                 rates: LearningRate, state: ModelState, group: LiveGroup, changes: Changes,
+                 hold: Hold | None = None):  # fmt: skip
         self.config = config
         self.sizes = sizes
-        self.payload = payload
-        self.modes, self.rates, self.state = modes, rates, state
-        state.on_change = _weakly(self.publish)  # a new last checkpoint
+        self.payload, self.paddle_metrics = payload, metrics
+        self.modes, self.rates, self.state, self._group = modes, rates, state, group
+        self.hold = hold
+        changes.listen(_weakly(self._changed))
         self.recovery = Recovery()
         # peer memory (`raydist.driver.lifecycle.peers`): keepers named after the first group
         self.peers: PeerMemory | None = None
@@ -75,20 +81,41 @@ class Lifecycle(Restarting, Moves, Adoption):
         self._mismatched = False  # the last failure was a replica mismatch: copies after the last clean check are not
         self.restarts = Restarts(state.saves, LifeRebuild(self))
         self.spares = SparePool(config, config.placement.spare_ranks)
-        self.client: RankClient | None = None
         self.meshes: list = []  # of the layer's parameters, as the live group built them
         self._room: RoomWatch | None = None
         self._drains: DrainWatch | None = None  # from the first start on
         self.notice: Notice | None = None  # the last preemption notice a fixed-size group could not move off
         self._stop_spares = weakref.finalize(self, _on_a_thread(self.spares.shutdown))
         self._finalizer: weakref.finalize | None = None
-        self.hold: Hold | None = None  # this driver's hold on a detached model (`raydist.driver.lifecycle.detached`)
         self.driver = Holder.here()  # this driver, as `raydist status` names it
         self.events = Events(config.name or "")  # named after the first group, if the model is not
         self.metrics = RunMetrics(config.name or "")
         self.events.add_sink(self.metrics.on_event)
         self.events.add_sink(_weakly(self._published))
-        self.snapshot: Callable[[], Snapshot] | None = None  # what a detached model's record keeps of it
+
+    @property
+    def client(self) -> RankClient | None:
+        """The live group's client (None before the first group, and once closed)."""
+        return self._group.client
+
+    @client.setter
+    def client(self, client: RankClient | None) -> None:
+        self._group.client = client
+
+    def _changed(self, what: str) -> None:
+        """A part of the model changed: publish a new last checkpoint; and a detached model's mode,
+        specs and learning rate (`raydist.driver.model.changes`)."""
+        if what == "rate":
+            if self.hold is not None:
+                self.hold.rate(self.rates.position())
+        elif what == "checkpoint" or self.hold is not None:
+            self.publish()
+
+    def snapshot(self) -> Snapshot:
+        """What a detached model's record keeps for a later driver."""
+        modes = self.modes
+        return Snapshot(self.config, self.sizes, self.payload, self.paddle_metrics, modes.specs, modes.has_loss,
+                        modes.has_optimizer, modes.mode, self.state.last_checkpoint, self.meshes)  # fmt: skip
 
     # -- starting --------------------------------------------------------------------
 
@@ -116,9 +143,8 @@ class Lifecycle(Restarting, Moves, Adoption):
             client.close()
             raise
         self.meshes = report.meshes
-        self.modes.started(client, report.meshes)
+        self.modes.started(report.meshes)
         self.rates.started(report.learning_rate)
-        self.state.client = client
         self.modes.resume()
         client.after_first_step(self.spares.fill)  # spares' Paddle import would slow the start
         if mirror:
@@ -220,7 +246,7 @@ class Lifecycle(Restarting, Moves, Adoption):
                 "sizes": [self.sizes.min, self.sizes.max], "last_checkpoint": self.state.last_checkpoint,
                 "events": self.events.last(3)}  # fmt: skip
         group.tell(Member.describe, card)
-        if self.hold is not None and self.snapshot is not None:
+        if self.hold is not None:
             self.hold.publish(self.snapshot(), group.actors, group.placement_group)
 
     def _published(self, event: dict) -> None:

@@ -20,7 +20,8 @@ from ...data.loader import Handle
 from ...messages import ArraysStep, LoaderStep, LrChange, StepMessage
 from ...protocol import RankActor
 from ...topology import Mesh, ModePlan, stages, widest
-from ..dispatch.client import live
+from ..dispatch.client import LiveGroup, live
+from .changes import Changes
 from .inputs import InputSpecs, Specs, array_specs, to_array
 
 if TYPE_CHECKING:
@@ -42,31 +43,35 @@ class Modes:
     (the state's tensors change: `raydist.driver.model.state.ModelState.built`).
     """
 
-    def __init__(self, specs: InputSpecs, has_loss: bool, has_optimizer: bool,
-                 on_built: Callable[[bool], None]):  # fmt: skip
+    def __init__(self, specs: InputSpecs, has_loss: bool, has_optimizer: bool, on_built: Callable[[bool], None],
+                 group: LiveGroup, changes: Changes):  # fmt: skip
         self.specs = specs
         self.has_loss, self.has_optimizer = has_loss, has_optimizer
         self.mode = default_mode(has_loss, has_optimizer)
         self._on_built = on_built
-        self.client: RankClient | None = None
+        self._group = group
+        self._told = changes  # "mode" when the mode or the specs change
         self.data_meshes: tuple[Mesh, Mesh] | None = None
         self._rank_mode: str | None = None  # the mode the ranks are in
         self._rank_specs: Specs | None = None  # the specs the ranks have
         self.plans: dict[str, ModePlan] = {}  # mode -> what its steps fetch (rank 0's)
-        self.on_change: Callable[[], None] | None = None  # told when the mode or the specs change
 
-    def started(self, client: RankClient, meshes: list[Mesh]) -> None:
+    @property
+    def client(self) -> RankClient | None:
+        return self._group.client
+
+    def started(self, meshes: list[Mesh]) -> None:
         """A new group of ranks built the layer (``meshes``: its parameters' meshes): no program yet."""
-        self.client = client
-        self.data_meshes = data_meshes(meshes, client.size)
+        self.data_meshes = data_meshes(meshes, self._group.get().size)
         self.specs.place(*self.data_meshes)
         self._rank_mode = self._rank_specs = None
         self.plans = {}
 
-    def adopt(self, client: RankClient, meshes: list[Mesh], built: list[str]) -> None:
+    def adopt(self, meshes: list[Mesh], built: list[str]) -> None:
         """A group that runs this model already (a detached model's ranks, attached to): the plans
         of the modes it ``built`` (its current mode last, so it stays in it) are asked again."""
-        self.started(client, meshes)
+        self.started(meshes)
+        client = self._group.get()
         if not built:
             return
         specs = self.specs.current()
@@ -98,8 +103,7 @@ class Modes:
         self._changed()
 
     def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        self._told.changed("mode")
 
     def built(self, mode: str) -> bool:
         return mode in self.plans

@@ -9,11 +9,11 @@ message, so it takes effect from the next call on, as in one process.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ... import pickling
 from ...messages import LrChange
+from .changes import Changes
 
 if TYPE_CHECKING:
     from .schedule import RankScheduler
@@ -22,11 +22,11 @@ if TYPE_CHECKING:
 class LearningRate:
     """The learning rate the ranks run with, as the driver knows it."""
 
-    def __init__(self) -> None:
+    def __init__(self, changes: Changes) -> None:
         self.scheduler: RankScheduler | None = None  # the same handle for the user across restarts
         self.value: float | None = None  # a float learning rate (None with a scheduler, or no optimizer)
         self._changes: list[LrChange] = []
-        self.on_change: Callable[[], None] | None = None  # told after each change (a detached model's record)
+        self._told = changes  # "rate" after each change (a detached model's record keeps the position)
 
     def started(self, built: float | bytes | None) -> None:
         """A new group of ranks built its optimizer with ``built`` (a float, a pickled scheduler, or None):
@@ -44,8 +44,7 @@ class LearningRate:
 
     def _change(self, change: LrChange) -> None:
         self._changes.append(change)
-        if self.on_change is not None:
-            self.on_change()
+        self._told.changed("rate")
 
     def now(self) -> float | None:
         """The learning rate the next train step uses."""

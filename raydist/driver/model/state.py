@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,8 @@ from ... import checkpoint, weights
 from ...handover import StateMap, Tensor
 from ...protocol import RankActor
 from ..cluster.config import call_on
-from ..dispatch.client import RankClient, live
+from ..dispatch.client import LiveGroup, RankClient, live
+from .changes import Changes
 from .rates import LearningRate
 from .saves import Saves
 
@@ -36,11 +36,11 @@ class ModelState:
     """State and checkpoints of the model behind ``client`` (replaced on restart); checkpoints
     keep the learning rate's position too (``rates``)."""
 
-    def __init__(self, has_optimizer: bool, rates: LearningRate):
-        self.client: RankClient | None = None  # the live group's, from its start on
+    def __init__(self, has_optimizer: bool, rates: LearningRate, group: LiveGroup, changes: Changes):
+        self._group = group  # the live group of ranks, from its start on
         self.rates = rates
         self.has_optimizer = has_optimizer
-        self.on_change: Callable[[], None] | None = None  # told when last_checkpoint changes
+        self._told = changes  # "checkpoint" when last_checkpoint changes
         self.saves = Saves(self._changed)  # the checkpoints of the current timeline
         self._pending: tuple[str, dict] | None = None  # (path, {name: manifest entry}) still to restore
         self.names: set[str] = set()  # every tensor of the state, as of the last build
@@ -57,9 +57,12 @@ class ModelState:
         if path is not None:
             self.saves.loaded(int(checkpoint.read_manifest(path).get("trained", 0)), path)
 
+    @property
+    def client(self) -> RankClient | None:
+        return self._group.client
+
     def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        self._told.changed("checkpoint")
 
     def meta(self, mode: str = "all") -> dict[str, tuple]:
         """{name: (global shape, dtype, layout)} of the state."""
