@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from ... import checkpoint
 from ...errors import RankError
+from ...options import check_positive_int
 from ..watching.events import EVENTS_FILE, JsonLines
 from . import resume as runs
 
@@ -134,8 +135,7 @@ def fit(
     if max_failures and not checkpoint_dir and not training.peer_memory:
         raise ValueError("max_failures needs a checkpoint_dir, or a model with peer memory "
                          "(to_static(..., peer_memory=K))")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last must be a positive int (the newest checkpoints to keep), got {keep_last!r}")
+    check_positive_int("keep_last", keep_last, what="the newest checkpoints to keep", optional=True)
     if eval_every is not None and eval_loader is None:
         raise ValueError("eval_every needs an eval_loader")
     if eval_loader is not None and eval_loader is loader:
@@ -274,7 +274,9 @@ class _Regrouped(Exception):
 
 
 @dataclasses.dataclass
-class _Sent:
+class _Pending:
+    """A train step of the run whose loss is not collected yet."""
+
     loss: Any  # raydist.Loss
     epoch: int
     step: int  # in its epoch
@@ -293,7 +295,7 @@ class _Run:
         self.position: tuple[int, ...] = (0, 0)  # (epoch, step) to go on from
         self.begun = -1  # the last epoch whose on_epoch_begin was called
         self.ended = -1  # the last epoch whose end (evaluation, schedule, callbacks) was done
-        self.pending: collections.deque[_Sent] = collections.deque()  # sent, loss not yet collected
+        self.pending: collections.deque[_Pending] = collections.deque()  # sent, loss not yet collected
         self.stood_still = False  # whether a save or an evaluation ran since the last step
         self.bar = bar  # the progress bar (tqdm)
         self.by_step, self.by_epoch = True, False  # when the schedule steps (paddle.callbacks.LRScheduler)
@@ -335,7 +337,8 @@ class _Run:
                     self._boundary(pending, epoch, step)
                 self.callbacks.on_batch_begin("train", step, {})
                 lr = self.rates.now()
-                pending.append(_Sent(self.dm(*(batch.values() if isinstance(batch, dict) else batch)), epoch, step, lr))
+                loss = self.dm(*(batch.values() if isinstance(batch, dict) else batch))
+                pending.append(_Pending(loss, epoch, step, lr))
                 if self.by_step and self.dm.lr_scheduler is not None:
                     self.dm.lr_scheduler.step()  # travels with the next step
                 self._collect(pending, wait=False)
