@@ -297,7 +297,7 @@ class DistcpReader(Reader):
                 m.local_shape for m in metadata.state_dict_metadata[index.tensor_key]
                 if tuple(m.global_offset) == offset)
             self._pieces.setdefault(index.tensor_key, []).append((offset, tuple(shape), file))
-        self._loaded: dict[str, dict] = {}
+        self._loaded: dict[str, dict[str, Any]] = {}
 
     def names(self) -> set[str]:
         return set(self._meta)
@@ -305,7 +305,7 @@ class DistcpReader(Reader):
     def shape(self, name: str) -> tuple[int, ...]:
         return self._meta[name][0]
 
-    def _file(self, file: str) -> dict:
+    def _file(self, file: str) -> dict[str, Any]:
         if file not in self._loaded:
             with open(os.path.join(self._path, file), "rb") as f:
                 self._loaded[file] = pickle.load(f)

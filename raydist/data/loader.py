@@ -128,23 +128,23 @@ class ShardDataloader:
         self.dict_rows = self._source.dict_rows
         self._id = next(_ids)
         self._rows: int | None = None
-        self._specs_by_key: dict | None = None
+        self._specs_by_key: dict[str | int, TensorSpec] | None = None
         self._client: RankClient | None = None  # the ranks that read (set by the DistModel)
         self._view = self._own  # the meshes of the ranks that read
         self._epoch: _Epoch | None = None
         self._next = 0  # the epoch `loader()` starts next
-        self._prepared: tuple[int, list] | None = None  # (epoch, its splits), made ahead
+        self._prepared: tuple[int, list[Any]] | None = None  # (epoch, its splits), made ahead
 
     # -- what Paddle's loader offers ----------------------------------------------
 
-    def __call__(self) -> Iterator:
+    def __call__(self) -> Iterator[Any]:
         """Start a new epoch (as ``iter(loader)``)."""
         return self.__iter__()
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[Any]:
         return self.epoch(self._next)
 
-    def epoch(self, number: int, start: int = 0) -> Iterator:
+    def epoch(self, number: int, start: int = 0) -> Iterator[Any]:
         """Epoch ``number`` (its shuffle depends on it), from step ``start`` on: to resume."""
         if len(self) == 0:
             raise ValueError(
@@ -163,7 +163,7 @@ class ShardDataloader:
         if self._prepared is None or self._prepared[0] != self._next:
             self._prepared = (self._next, self._source.splits(self.dp, self._next, self.shuffle, self.seed))
 
-    def _splits(self, epoch: int) -> list:
+    def _splits(self, epoch: int) -> list[Any]:
         """Epoch ``epoch``'s splits: the prepared ones if they are its."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared[0] == epoch:
@@ -202,7 +202,7 @@ class ShardDataloader:
         low, high = AUTO_PREFETCH
         return max(low, min(high, CHUNK_BYTES // self._batch_bytes()))
 
-    def specs_by_key(self) -> dict:
+    def specs_by_key(self) -> dict[str | int, TensorSpec]:
         """`specs`, keyed by field key (computed once)."""
         if self._specs_by_key is None:
             self._specs_by_key = {f.key: s for f, s in zip(self.fields, self.specs())}

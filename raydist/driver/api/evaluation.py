@@ -33,7 +33,7 @@ def evaluate(call: Callable[..., Any], modes: Modes, metrics: Sequence[Any], dat
     names = [name for metric in metrics for name in as_list(metric.name())]
     cbks.on_begin("eval", {"steps": len(loader) if loader is not None else None, "metrics": ["loss", *names]})
     total, rows = 0.0, 0
-    pending: collections.deque = collections.deque()  # (Loss, rows, step), in flight
+    pending: collections.deque[tuple[Any, int, int]] = collections.deque()  # (Loss, rows, step), in flight
 
     def fold(wait: bool) -> None:
         nonlocal total, rows
@@ -75,5 +75,5 @@ def callback_list(callbacks: Any) -> Any:
     return callbacks if isinstance(callbacks, CallbackList) else CallbackList(list(callbacks or []))
 
 
-def as_list(value: Any) -> list:
+def as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -68,7 +68,7 @@ class Trainee(Protocol):
 
     def evaluate(self, data: Any, steps: int | None = None, callbacks: Any = None) -> dict[str, float]: ...
 
-    def save(self, path: str, position: tuple[int, int] | None = None, record: dict | None = None,
+    def save(self, path: str, position: tuple[int, int] | None = None, record: dict[str, Any] | None = None,
              background: bool = False) -> None: ...  # fmt: skip
 
     def load(self, path: str) -> None: ...
@@ -97,7 +97,7 @@ class Training(Protocol):
         """Between two train steps: act on a preemption notice, else grow if there is room
         (``before`` runs first). What was done: "moved", "noticed", "grew", or None."""
 
-    def state_meta(self, mode: str) -> dict:
+    def state_meta(self, mode: str) -> dict[str, Any]:
         """The model state's names, shapes and dtypes (``mode``: "param", "opt" or "all")."""
 
     def trained(self) -> int:
@@ -262,7 +262,7 @@ def _found(directory: str | None, resume: bool) -> runs.CheckpointInfo | None:
     return found
 
 
-def _check_same_run(found: runs.CheckpointInfo, identity: dict, directory: str) -> None:
+def _check_same_run(found: runs.CheckpointInfo, identity: dict[str, Any], directory: str) -> None:
     differ = runs.differences(found.record["fit"]["identity"], identity)
     if differ:
         raise ValueError(f"checkpoint_dir {directory} holds a run of another model or loader ({found.path}); "
@@ -360,7 +360,7 @@ class _Run:
             if self.stop_training:
                 return
 
-    def _boundary(self, pending: collections.deque, epoch: int, step: int) -> None:
+    def _boundary(self, pending: collections.deque[_Pending], epoch: int, step: int) -> None:
         """Between two steps: let the lifecycle act on a preemption notice or grow (`Lifecycle.at_boundary`),
         the losses in flight collected first. A move or a growth goes on from ``step`` with the new group;
         a notice it could not act on is a checkpoint now (and the node's loss that follows no failure)."""
@@ -390,7 +390,7 @@ class _Run:
         result = self.dm.evaluate(self.eval_loader, callbacks=self.callbacks)
         self.logs.update({f"eval_{k}": v for k, v in result.items()})
 
-    def _collect(self, pending: collections.deque, wait: bool) -> None:
+    def _collect(self, pending: collections.deque[_Pending], wait: bool) -> None:
         while pending and (wait or pending[0].loss.done):
             sent = pending.popleft()
             self.history.append(float(sent.loss))

@@ -352,7 +352,7 @@ class DistModel:
         """
         self._state.set_state_dict(state)
 
-    def save(self, path: str, position: tuple[int, int] | None = None, record: dict | None = None,
+    def save(self, path: str, position: tuple[int, int] | None = None, record: dict[str, Any] | None = None,
              background: bool = False) -> None:  # fmt: skip
         """Write a distributed checkpoint to ``path`` (a new local directory or a pyarrow.fs URI).
 

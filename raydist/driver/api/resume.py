@@ -45,7 +45,7 @@ class CheckpointInfo:
     path: str
     steps: int
     position: tuple[int, int] | None
-    record: dict
+    record: dict[str, Any]
     finished: bool
 
     @property
@@ -79,7 +79,7 @@ def checkpoint_info(path: str) -> CheckpointInfo:
     return CheckpointInfo(path, steps, tuple(position) if position else None, record, done)
 
 
-def identity(loader: Any, params: dict[str, tuple]) -> dict[str, Any]:
+def identity(loader: Any, params: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
     """What a resumed run must share with the one that wrote the checkpoint."""
     return {
         "global_batch": loader.batch_size,
@@ -124,7 +124,7 @@ def callback_states(callbacks: Sequence[Any]) -> list[dict[str, Any]]:
 def restore_callbacks(callbacks: Sequence[Any], states: Sequence[dict[str, Any]]) -> None:
     """Give callbacks what the same callbacks had learned when the checkpoint was written: each
     takes the next saved state of its class, in order (one with none starts afresh)."""
-    saved: dict[str, list[dict]] = {}
+    saved: dict[str, list[dict[str, Any]]] = {}
     for entry in states:
         saved.setdefault(entry["class"], []).append(entry["state"])
     for cb in callbacks:
