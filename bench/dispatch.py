@@ -42,7 +42,7 @@ class NullRank(RankActor):
     def warm_up(self, quiet, modules=()):
         pass
 
-    def setup(self, env, use_gpu, data_timeout=None, group=None):
+    def setup(self, env, use_gpu, step_timeout_s=None, group=None):
         self.starts = []
         return []
 

@@ -176,11 +176,11 @@ class RankActor(Member):
         warm_up(quiet, modules)
 
     @reports_rank
-    def setup(self, env: dict[str, str], use_gpu: bool, data_timeout: float | None = None,
+    def setup(self, env: dict[str, str], use_gpu: bool, step_timeout_s: float | None = None,
               group: str | None = None) -> list[str]:  # fmt: skip
         """Join the process group as the rank ``env`` names; returns the Paddle fixes applied.
 
-        ``data_timeout``: how long a step waits for its loader batch (None: no limit);
+        ``step_timeout_s``: how long a step waits for its loader batch (None: no limit), as the model's;
         ``group``: the group's name (a spare was started under another).
         """
         from .worker.data import DataService
@@ -190,8 +190,8 @@ class RankActor(Member):
         self.rank, self.world_size = int(env["PADDLE_TRAINER_ID"]), int(env["PADDLE_TRAINERS_NUM"])
         self.group = group
         fixes, self.device = join(env, use_gpu)
-        self.data_timeout = data_timeout
-        self._data = DataService(self.device, data_timeout)
+        self.step_timeout_s = step_timeout_s
+        self._data = DataService(self.device, step_timeout_s)
         self._model = ModelService(self.rank, self.world_size, self.device)
         from .worker.steplog import RECORD_ENV, Exporter, Unrecorded
 
@@ -209,7 +209,7 @@ class RankActor(Member):
         from .worker.data import DataService
 
         self.data.close()
-        self._data = DataService(self.device, self.data_timeout)
+        self._data = DataService(self.device, self.step_timeout_s)
         self._relays = None
         return self.model.reattached()
 

@@ -155,7 +155,7 @@ def test_auto_dispatch_on_cpus_relays_through_the_ranks_from_eight_on():
             return self.n
 
     def chosen(n, dispatch="auto"):
-        return RankClient(Group(n), max_in_flight=2, dispatch=dispatch, step_timeout=None)._dispatch
+        return RankClient(Group(n), max_in_flight=2, dispatch=dispatch, step_timeout_s=None)._dispatch
 
     assert (chosen(2), chosen(7), chosen(8), chosen(64)) == ("calls", "calls", "tree", "tree")
     assert (chosen(64, "calls"), chosen(2, "tree"), chosen(2, "compiled")) == ("calls", "tree", "compiled")

@@ -46,14 +46,14 @@ class Watched(Protocol):
 
 
 class Watch:
-    """The limit on a step of ``group``'s ranks (``step_timeout`` + `REPORT_GRACE_S`; None: none), and
-    on a rank's silence (``step_timeout``). ``clock``: seconds, monotonic (tests give a fake one)."""
+    """The limit on a step of ``group``'s ranks (``step_timeout_s`` + `REPORT_GRACE_S`; None: none), and
+    on a rank's silence (``step_timeout_s``). ``clock``: seconds, monotonic (tests give a fake one)."""
 
-    def __init__(self, group: Watched, step_timeout: float | None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, group: Watched, step_timeout_s: float | None, clock: Callable[[], float] = time.monotonic):
         self.group = group
         self._clock = clock
-        self.limit = None if step_timeout is None else step_timeout + REPORT_GRACE_S
-        self.silence = step_timeout
+        self.limit = None if step_timeout_s is None else step_timeout_s + REPORT_GRACE_S
+        self.silence = step_timeout_s
         self.every = None if self.limit is None else min(max(self.limit / 4, LOOK_MIN_S), LOOK_MAX_S)
 
     def wait(self, get: Callable[[float | None], T], during: str) -> T:

@@ -62,14 +62,14 @@ class RankClient:
     ``steps_per_message``: see `raydist.driver.dispatch.window.Window`.
     """
 
-    def __init__(self, group: RankGroup, *, max_in_flight: int, dispatch: str, step_timeout: float | None,
+    def __init__(self, group: RankGroup, *, max_in_flight: int, dispatch: str, step_timeout_s: float | None,
                  first_step: int = 0, steps_per_message: int | str = 1):  # fmt: skip
         self.group = group
         self.window = Window(max_in_flight, first_step, send=self._send, receive=self._receive,
                              most=steps_per_message)  # fmt: skip
         # on CPUs (where "auto" is still open), calls to a few ranks, relayed through many
         self._dispatch = dispatch if dispatch != "auto" else ("tree" if len(group) >= TREE_FROM else "calls")
-        self.watch = Watch(group, step_timeout)
+        self.watch = Watch(group, step_timeout_s)
         self._transport: Transport | None = None
         self._opening = threading.Lock()
         self._after_first: list[Callable[[], Any]] = []

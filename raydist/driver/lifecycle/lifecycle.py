@@ -160,7 +160,7 @@ class Lifecycle(Restarting, Moves, Adoption):
         group.on_failure(_weakly(self._failed))
         d = self.config.dispatch
         client = RankClient(group, max_in_flight=d.max_in_flight, dispatch=d.dispatch,
-                            step_timeout=d.step_timeout_s, first_step=first_step,
+                            step_timeout_s=d.step_timeout_s, first_step=first_step,
                             steps_per_message=d.steps_per_message)  # fmt: skip
         self.client = client
         stop = self.hold.release if self.hold is not None else client.close
