@@ -70,10 +70,15 @@ class _Saving:
             fake_checkpoint(self.pending.pop())
 
 
+def _run(saving: _Saving, every: int | None, directory: str, bar=None) -> fits._Run:
+    """`fit`'s run of one epoch of 10 steps over a stand-in loader, on ``saving`` (model and lifecycle)."""
+    loader = type("Loader", (), {"batch_size": 8, "__len__": lambda self: 10})()
+    return fits._Run(saving, saving, loader, 1, 10, every, directory, None, None, None, fits.Pace(8), {}, [], bar)
+
+
 def test_fit_saves_a_step_once_and_a_notices_save_waits_for_the_schedules(tmp_path):
     saving = _Saving()
-    loader = type("Loader", (), {"batch_size": 8, "__len__": lambda self: 10})()
-    run = fits._Run(saving, saving, loader, 1, 10, 2, str(tmp_path), None, None)
+    run = _run(saving, 2, str(tmp_path))
     run.history = [0.1, 0.2]
     run.checkpoint(0, 2)  # the schedule's, in the background
     run.checkpoint(0, 2, background=False)  # a preemption notice at the same step: no second save
@@ -121,10 +126,9 @@ def test_after_a_failure_fit_keeps_every_completed_loss_though_a_callback_calls_
 
     saving = _Saving()
     saving.metrics = type("Metrics", (), {"read": lambda self, loss, lr: None})()
-    loader = type("Loader", (), {"batch_size": 8, "__len__": lambda self: 10})()
-    run = fits._Run(saving, saving, loader, 1, 10, None, str(tmp_path), None, None)
-    run.callbacks, run.bar, run.history = Calls(), Bar(), [0.0, 1.0]
-    run.pending = collections.deque(fits._Sent(Done(float(i)), 0, i, 0.1) for i in range(2, 7))
+    run = _run(saving, None, str(tmp_path), Bar())
+    run.callbacks, run.history = Calls(), [0.0, 1.0]
+    run.pending = collections.deque(fits._Pending(Done(float(i)), 0, i, 0.1) for i in range(2, 7))
     run.keep_completed()
     assert run.history == [float(i) for i in range(7)] and not run.pending
     run.go_back(4)  # peer memory's state after this run's step 4 (fit: the restart's count less the run's base)

@@ -134,12 +134,12 @@ def test_a_small_message_and_its_results_cross_ray_pickled_once_and_large_result
             return StepResults.of([[np.float32(1.5), np.zeros(self.size, np.float32)] for _ in parcel.steps])
 
     rank = RankActor(0, 2)
-    rank.model = Model(4)
+    rank._model, rank._data = Model(4), object()  # a joined rank's services
     small = rank.run(packed)
     assert isinstance(small, bytes) and unpack(small).nbytes == 2 * 4 + 2 * 4 * 4
     assert isinstance(rank.model.got, Parcel) and rank.model.got.first == 3
     assert isinstance(rank.run(parcel), StepResults)  # an object in, objects out
-    rank.model = Model(INLINE_BYTES)  # its arrays go to the object store as they are, without a copy
+    rank._model = Model(INLINE_BYTES)  # its arrays go to the object store as they are, without a copy
     large = rank.run(packed)
     assert isinstance(large, StepResults) and large.nbytes > INLINE_BYTES
 
