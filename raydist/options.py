@@ -24,7 +24,7 @@ def check_positive_int(name: str, value: Any, *, what: str = "", optional: bool 
                        also: tuple[Any, ...] = ()) -> None:  # fmt: skip
     """Refuse ``value`` for the option ``name`` unless it is an int >= 1 (None too with ``optional``;
     the values ``also``, e.g. "auto"); ``what`` says what the number counts."""
-    if (optional and value is None) or value in also and isinstance(value, str):
+    if (optional and value is None) or (isinstance(value, str) and value in also):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         allowed = " or ".join((["None", "an int >= 1"] if optional else ["a positive int"]) + [repr(a) for a in also])

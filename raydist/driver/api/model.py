@@ -29,7 +29,7 @@ from ...strategy import micro_batch_size, micro_batches
 from ...weights import Weights
 from ..cluster.config import GroupConfig
 from ..cluster.connect import init_ray, ray_started_here
-from ..dispatch.client import LiveGroup, RankClient, live
+from ..dispatch.client import LiveGroup, RankClient
 from ..lifecycle.lifecycle import Lifecycle
 from ..model.changes import Changes
 from ..model.inputs import InputSpecs, leaves
@@ -216,7 +216,8 @@ class DistModel:
         (``__init__``) or a detached model's ranks a later driver attaches to (`_Attached`); ``hold``:
         this driver's hold on a detached model, whose record learns of every change."""
         self._metrics = list(metrics)
-        group, changes = LiveGroup(), Changes()
+        self._group = group = LiveGroup()
+        changes = Changes()
         self._rates = LearningRate(changes)
         self._state = ModelState(has_optimizer, self._rates, group, changes)
         self._modes = Modes(specs, has_loss, has_optimizer, self._state.built, group, changes)
@@ -226,7 +227,7 @@ class DistModel:
     @property
     def _client(self) -> RankClient:
         """The live group's client (for tests and benchmarks); a `GroupShutdownError` once shut down."""
-        return live(self._life.client)
+        return self._group.get()
 
     # -- modes -----------------------------------------------------------------
 
